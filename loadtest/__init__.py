@@ -1,0 +1,1 @@
+"""pipefill's load generator (`loadtest run`), its reports, and the SGLang simulator."""

@@ -1,0 +1,1 @@
+"""A simulator of SGLang servers: SGLang's HTTP API over a continuous-batching engine model."""
