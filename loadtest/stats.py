@@ -508,3 +508,74 @@ def combine_repeats(summaries: Sequence[LevelSummary]) -> LevelSummary:
         "repeats": [s.selfcheck for s in summaries],
     }
     return LevelSummary.from_dict(combined)
+
+
+# ------------------------------------------------------------------------ compare two runs
+
+# (path, label, unit, higher_is_better): what `loadtest compare` shows, in order.
+COMPARE_METRICS: tuple[tuple[str, str, str, bool], ...] = (
+    ("achieved_concurrency", "achieved concurrency", "", True),
+    ("request_throughput", "request throughput", "req/s", True),
+    ("output_tok_s", "aggregate output tok/s", "tok/s", True),
+    ("goodput", "goodput", "req/s", True),
+    ("decode_tok_s/p50", "decode tok/s per request p50", "tok/s", True),
+    ("e2e_tok_s/p50", "end-to-end tok/s per request p50", "tok/s", True),
+    ("ttft/p50", "TTFT p50", "s", False),
+    ("ttft/p90", "TTFT p90", "s", False),
+    ("ttft/p99", "TTFT p99", "s", False),
+    ("tpot/p50", "TPOT p50", "s", False),
+    ("tpot/p90", "TPOT p90", "s", False),
+    ("tpot/p99", "TPOT p99", "s", False),
+    ("itl/p50", "ITL p50", "s", False),
+    ("itl/p99", "ITL p99", "s", False),
+    ("e2e/p50", "E2E p50", "s", False),
+    ("e2e/p99", "E2E p99", "s", False),
+    ("completed", "completed requests", "n", True),
+    ("errors", "errors", "n", False),
+)
+
+
+def metric_value(level: LevelSummary, path: str) -> float | None:
+    """A metric by path: a scalar field ("output_tok_s"), "errors" (their total) or a
+    distribution statistic ("ttft/p99", "itl/p99.9")."""
+    if path == "errors":
+        return float(sum(level.errors.values()))
+    name, _, stat = path.partition("/")
+    if stat:
+        return level.distribution(name).get(stat)
+    value = getattr(level, name)
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricChange:
+    """One metric of one level in two runs: a, b, b - a and (b - a) / a in percent."""
+
+    path: str
+    label: str
+    unit: str
+    higher_is_better: bool
+    a: float | None
+    b: float | None
+    delta: float | None
+    percent: float | None
+
+    @property
+    def better(self) -> bool | None:
+        """Whether b improves on a (None when unchanged or undefined)."""
+        if self.delta is None or self.delta == 0:
+            return None
+        return (self.delta > 0) == self.higher_is_better
+
+
+def compare_levels(a: LevelSummary, b: LevelSummary) -> list[MetricChange]:
+    """Each metric of COMPARE_METRICS side by side with its absolute and relative change."""
+    out: list[MetricChange] = []
+    for path, label, unit, higher in COMPARE_METRICS:
+        va, vb = metric_value(a, path), metric_value(b, path)
+        delta = percent = None
+        if va is not None and vb is not None:
+            delta = vb - va
+            percent = delta / abs(va) * 100.0 if va != 0 else None
+        out.append(MetricChange(path, label, unit, higher, va, vb, delta, percent))
+    return out
