@@ -1,0 +1,432 @@
+"""The proxy's queue: admission with late binding, priorities, bounds and deadlines.
+
+``lease = await admission.acquire(priority, exclude=..., deadline=...)`` returns as soon as some
+routable backend is below its limit; the backend is chosen at that moment (late binding) by the
+routing policy, and its ``in_flight`` is incremented in the same synchronous step, so a burst
+cannot pile onto one backend. Requests that find every backend at its limit wait here, FIFO within
+their class (``interactive`` before ``batch``), bounded in number and in time:
+
+- queue full -> :class:`QueueFull` (``retry_after`` seconds; the app answers 429 + Retry-After),
+- waited longer than the deadline -> :class:`QueueTimeout` (503),
+- no routable backend (or all excluded) -> :class:`NoHealthyBackend` (503),
+- the client went away (the awaiting task is cancelled) -> the waiter leaves the queue at once.
+
+Every rejection is counted by reason. ``lease.release()`` is idempotent; it frees the slot and
+hands it to the next waiter. ``admission.wake()`` re-runs dispatch after backends, health or
+limits changed. Admission is also where limits are fed: whenever a backend's observation window
+is complete, it is closed (:meth:`proxy.stats.BackendStats.take_window`) and given to
+``backend.limit.update``; a background task (``start()``) does the same when traffic is idle.
+
+Backends are duck-typed: ``name``, ``routable``, ``in_flight`` (int, written here), ``limit``
+(proxy/limits), ``stats`` (proxy/stats.BackendStats), ``weight``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Priority = Literal["interactive", "batch"]
+PRIORITIES: tuple[Priority, ...] = ("interactive", "batch")
+
+
+class QueueSettings(BaseModel):
+    """``[queue]``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_length: int = Field(1024, ge=0, description="requests waiting at most (then 429)")
+    deadline_s: float = Field(30.0, gt=0, description="longest wait in the queue (then 503)")
+    priority_header: str = Field(
+        "X-Priority", description="request header: 'interactive' (default) or 'batch'"
+    )
+    batch_api_keys: list[str] = Field(
+        default_factory=list, description="client API keys whose requests are 'batch'"
+    )
+    control_interval_s: float = Field(
+        0.25, gt=0, description="how often limits are fed and waiters re-checked when idle"
+    )
+
+
+class AdmissionError(Exception):
+    reason = "rejected"
+
+
+class QueueFull(AdmissionError):
+    reason = "queue_full"
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the proxy's queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class QueueTimeout(AdmissionError):
+    reason = "queue_timeout"
+
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"no backend became free within {waited_s:.1f} s")
+        self.waited_s = waited_s
+
+
+class NoHealthyBackend(AdmissionError):
+    reason = "no_healthy_backend"
+
+    def __init__(self, message: str = "no healthy backend") -> None:
+        super().__init__(message)
+
+
+class Lease:
+    """One admitted request's slot on ``backend``. ``release()`` is idempotent."""
+
+    __slots__ = ("_admission", "_released", "backend", "priority", "waited_s")
+
+    def __init__(
+        self, admission: Admission, backend: Any, priority: Priority, waited_s: float
+    ) -> None:
+        self._admission = admission
+        self.backend = backend
+        self.priority = priority
+        self.waited_s = waited_s
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._admission._release(self.backend)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _Waiter:
+    __slots__ = ("enqueued", "exclude", "fut", "priority", "timer")
+
+    def __init__(
+        self, fut: asyncio.Future, priority: Priority, exclude: frozenset[str], now: float
+    ) -> None:
+        self.fut = fut
+        self.priority = priority
+        self.exclude = exclude
+        self.enqueued = now
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Admission:
+    """The limiter in front of every backend: bounded priority queue + late binding."""
+
+    def __init__(
+        self,
+        pool: Any,
+        policy: Any,
+        *,
+        max_queue: int = 1024,
+        queue_deadline_s: float = 30.0,
+        probe_in_flight: int = 1,
+        control_interval_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.max_queue = max_queue
+        self.queue_deadline_s = queue_deadline_s
+        self.probe_in_flight = probe_in_flight
+        self.control_interval_s = control_interval_s
+        self._clock = clock
+        self._queues: dict[Priority, dict[int, _Waiter]] = {p: {} for p in PRIORITIES}
+        self._seq = 0
+        self._task: asyncio.Task | None = None
+        # observability
+        self.rejections: dict[str, int] = {
+            "queue_full": 0,
+            "queue_timeout": 0,
+            "no_healthy_backend": 0,
+            "client_gone": 0,
+        }
+        self.admitted: dict[Priority, int] = {p: 0 for p in PRIORITIES}
+        self.queued_total: dict[Priority, int] = {p: 0 for p in PRIORITIES}
+        self.wait_sum_s: dict[Priority, float] = {p: 0.0 for p in PRIORITIES}
+        self._recent_waits: dict[Priority, deque[float]] = {
+            p: deque(maxlen=2048) for p in PRIORITIES
+        }
+        #: optional hook ``(priority, waited_s, outcome)`` for metrics; outcome is "admitted"
+        #: or a rejection reason. Called for requests that waited in the queue.
+        self.on_wait: Callable[[str, float, str], None] | None = None
+
+    @classmethod
+    def from_settings(
+        cls, pool: Any, policy: Any, queue: QueueSettings, *, probe_in_flight: int = 1
+    ) -> Admission:
+        return cls(
+            pool,
+            policy,
+            max_queue=queue.max_length,
+            queue_deadline_s=queue.deadline_s,
+            probe_in_flight=probe_in_flight,
+            control_interval_s=queue.control_interval_s,
+        )
+
+    # ---- the request path --------------------------------------------------------------
+
+    async def acquire(
+        self,
+        priority: Priority = "interactive",
+        exclude: Iterable[str] = frozenset(),
+        deadline: float | None = None,
+    ) -> Lease:
+        """Wait for a slot and bind a backend. ``deadline``: longest wait in seconds (default
+        the queue's ``deadline_s``). ``exclude``: backend names not to use (retries)."""
+        if priority not in self._queues:
+            priority = "interactive"
+        exclude = frozenset(exclude)
+        now = self._clock()
+        backends = self._backends()
+        self._maybe_update(backends, now)
+        if not any(self._usable(b, exclude) for b in backends):
+            self._reject("no_healthy_backend")
+            raise NoHealthyBackend()
+        if not self._ahead(priority):
+            lease = self._bind(backends, exclude, priority, 0.0)
+            if lease is not None:
+                return lease
+        if self.depth >= self.max_queue:
+            self._reject("queue_full")
+            raise QueueFull(self.retry_after())
+        return await self._wait(priority, exclude, now, deadline)
+
+    async def _wait(
+        self, priority: Priority, exclude: frozenset[str], now: float, deadline: float | None
+    ) -> Lease:
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop.create_future(), priority, exclude, now)
+        self._seq += 1
+        key = self._seq
+        self._queues[priority][key] = waiter
+        self.queued_total[priority] += 1
+        timeout = self.queue_deadline_s if deadline is None else max(deadline, 0.0)
+        waiter.timer = loop.call_later(timeout, self._expire, priority, key)
+        try:
+            return await waiter.fut
+        except asyncio.CancelledError:
+            fut = waiter.fut
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                fut.result().release()  # bound just as the client left: give the slot back
+            self._reject("client_gone", priority, self._clock() - waiter.enqueued)
+            raise
+        finally:
+            waiter.timer.cancel()
+            self._queues[priority].pop(key, None)
+
+    def wake(self) -> None:
+        """Backends, health or limits changed: hand free slots to waiters, fail the hopeless."""
+        self._dispatch(self._backends(), self._clock())
+
+    # ---- background control --------------------------------------------------------------
+
+    def start(self) -> asyncio.Task:
+        """Feed limits and re-dispatch periodically (idle backends still get their windows)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._control_loop())
+        return self._task
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _control_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.control_interval_s)
+            try:
+                backends = self._backends()
+                now = self._clock()
+                self._maybe_update(backends, now)
+                self._dispatch(backends, now)
+            except Exception:  # never let the control loop die; the next tick retries
+                continue
+
+    # ---- read side ----------------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def depth_by_class(self) -> dict[str, int]:
+        return {p: len(q) for p, q in self._queues.items()}
+
+    def oldest_wait_s(self, priority: Priority) -> float:
+        q = self._queues[priority]
+        if not q:
+            return 0.0
+        return self._clock() - next(iter(q.values())).enqueued
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has drained at the backends' measured completion rate."""
+        rate = 0.0
+        for b in self._backends():
+            if b.routable:
+                rate += b.stats.completions_per_s
+        if rate <= 0:
+            return 1
+        return int(min(60, max(1, math.ceil(self.depth / rate))))
+
+    def snapshot(self) -> dict:
+        out: dict[str, Any] = {
+            "depth": self.depth,
+            "max_length": self.max_queue,
+            "deadline_s": self.queue_deadline_s,
+            "rejections": dict(self.rejections),
+            "classes": {},
+        }
+        for p in PRIORITIES:
+            waits = sorted(self._recent_waits[p])
+            out["classes"][p] = {
+                "depth": len(self._queues[p]),
+                "oldest_wait_s": self.oldest_wait_s(p),
+                "admitted": self.admitted[p],
+                "queued": self.queued_total[p],
+                "wait_s_sum": self.wait_sum_s[p],
+                "wait_s_p50": _pct(waits, 0.5),
+                "wait_s_p99": _pct(waits, 0.99),
+            }
+        return out
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _backends(self) -> list[Any]:
+        pool = self.pool
+        if hasattr(pool, "list"):
+            return list(pool.list())
+        if hasattr(pool, "backends"):
+            b = pool.backends
+            return list(b.values()) if isinstance(b, dict) else list(b)
+        return list(pool)
+
+    @staticmethod
+    def _usable(b: Any, exclude: frozenset[str]) -> bool:
+        return bool(b.routable) and b.name not in exclude
+
+    def _cap(self, b: Any) -> int:
+        cap = int(b.limit.limit)
+        if not b.stats.trusted:
+            cap = min(cap, self.probe_in_flight)
+        return cap
+
+    def _ahead(self, priority: Priority) -> bool:
+        """Is anyone of this class or a higher one already waiting?"""
+        for p in PRIORITIES:
+            if self._queues[p]:
+                return True
+            if p == priority:
+                return False
+        return False
+
+    def _bind(
+        self, backends: list[Any], exclude: frozenset[str], priority: Priority, waited: float
+    ) -> Lease | None:
+        cands = [b for b in backends if self._usable(b, exclude) and b.in_flight < self._cap(b)]
+        if not cands:
+            return None
+        b = self.policy.pick(cands) if len(cands) > 1 else cands[0]
+        # No await between the pick and this increment.
+        b.in_flight += 1
+        b.stats.observe_in_flight(b.in_flight, b.limit.limit)
+        self.admitted[priority] += 1
+        return Lease(self, b, priority, waited)
+
+    def _release(self, b: Any) -> None:
+        b.in_flight = max(0, b.in_flight - 1)
+        b.stats.observe_in_flight(b.in_flight, b.limit.limit)
+        backends = self._backends()
+        now = self._clock()
+        self._maybe_update(backends, now)
+        self._dispatch(backends, now)
+
+    def _dispatch(self, backends: list[Any], now: float) -> None:
+        if not self.depth:
+            return
+        for p in PRIORITIES:
+            q = self._queues[p]
+            for key in list(q):
+                w = q.get(key)
+                if w is None:
+                    continue
+                if w.fut.done():
+                    q.pop(key, None)
+                    continue
+                if not any(self._usable(b, w.exclude) for b in backends):
+                    q.pop(key, None)
+                    self._reject("no_healthy_backend", p, now - w.enqueued)
+                    w.fut.set_exception(NoHealthyBackend())
+                    continue
+                if not any(
+                    self._usable(b, frozenset()) and b.in_flight < self._cap(b) for b in backends
+                ):
+                    return  # no free slot anywhere: nothing more to hand out
+                waited = now - w.enqueued
+                lease = self._bind(backends, w.exclude, p, waited)
+                if lease is None:
+                    continue  # this waiter's allowed backends are full; a later one may fit
+                q.pop(key, None)
+                self._observe_wait(p, waited, "admitted")
+                w.fut.set_result(lease)
+
+    def _expire(self, priority: Priority, key: int) -> None:
+        w = self._queues[priority].pop(key, None)
+        if w is None or w.fut.done():
+            return
+        waited = self._clock() - w.enqueued
+        self._reject("queue_timeout", priority, waited)
+        w.fut.set_exception(QueueTimeout(waited))
+
+    def _reject(
+        self, reason: str, priority: str | None = None, waited: float | None = None
+    ) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        if priority is not None and waited is not None and self.on_wait is not None:
+            self.on_wait(priority, waited, reason)
+
+    def _observe_wait(self, priority: Priority, waited: float, outcome: str) -> None:
+        self.wait_sum_s[priority] += waited
+        self._recent_waits[priority].append(waited)
+        if self.on_wait is not None:
+            self.on_wait(priority, waited, outcome)
+
+    def _maybe_update(self, backends: list[Any], now: float) -> None:
+        """Close every backend's complete observation window and feed it to its limit."""
+        for b in backends:
+            st = b.stats
+            s = getattr(b.limit, "s", None)
+            window_s = getattr(s, "window_s", 1.0)
+            age = now - st.window_started
+            if age < window_s:
+                continue
+            if s is not None and st.window_tokens() < s.window_tokens and age < s.max_window_s:
+                continue
+            before = b.limit.limit
+            b.limit.update(st.take_window(now))
+            after = b.limit.limit
+            if after != before:
+                st.observe_in_flight(b.in_flight, after, now)
+
+
+def _pct(sorted_xs: list[float], q: float) -> float | None:
+    if not sorted_xs:
+        return None
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]

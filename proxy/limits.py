@@ -1,0 +1,403 @@
+"""Per-backend concurrency limits: pure algorithms fed windows of observations.
+
+Following Netflix concurrency-limits, a *limit* (this module) only answers "given what this
+window looked like, how many requests may be in flight now?"; the *limiter* that acquires slots
+and queues requests is proxy/admission.py. A limit never awaits and never reads a clock: it is fed
+:class:`proxy.stats.Window` values and is tested with numbers alone.
+
+- ``fixed``: a constant.
+- ``adaptive`` (default): a knee search on the proxy's own measurements. See
+  docs/limits-and-routing.md for the algorithm, its parameters and a convergence trace.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from proxy.stats import Window
+
+
+class LimitSettings(BaseModel):
+    """``[limits]`` (defaults for every backend; a backend may override any field)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: Literal["adaptive", "fixed"] = "adaptive"
+    initial: int | None = Field(
+        None,
+        ge=1,
+        description="fixed: the limit; adaptive: where the search starts "
+        "(default: the floor, at least 8)",
+    )
+    min_limit: int = Field(1, ge=1, description="floor (a pp backend never goes below pp_size)")
+    max_limit: int = Field(512, ge=1, description="ceiling")
+    window_s: float = Field(1.0, gt=0, description="shortest observation window")
+    window_tokens: int = Field(
+        200, ge=0, description="a window extends until it saw this many tokens..."
+    )
+    max_window_s: float = Field(5.0, gt=0, description="...or lasted this long")
+    step: float = Field(0.25, gt=0, le=1, description="relative size of a climb step")
+    min_gain: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="a step up by x% must add at least min_gain*x% token throughput to be kept",
+    )
+    latency_tolerance: float = Field(
+        0.1, ge=0, description="ITL/TTFT above (1+tolerance) x reference count as rising"
+    )
+    drift_tolerance: float = Field(
+        0.3,
+        ge=0,
+        description="at the knee, ITL or TTFT this far above the reference while "
+        "throughput did not grow means the backend changed: search again",
+    )
+    measure_windows: int = Field(2, ge=1, description="windows averaged per measured level")
+    settle_windows: int = Field(1, ge=0, description="windows ignored after a limit change")
+    probe_every: int = Field(6, ge=1, description="measurements held at the knee between probes")
+    backoff: float = Field(0.85, gt=0, lt=1, description="multiplicative decrease on congestion")
+    kv_high: float = Field(
+        0.95, gt=0, le=1, description="scraped token_usage at or above this = KV pool full"
+    )
+    queue_tolerance: float = Field(
+        0.0, ge=0, description="scraped num_queue_reqs above this = the backend is queueing"
+    )
+
+
+class Limit(Protocol):
+    name: str
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def knee(self) -> int | None: ...
+
+    def update(self, window: Window) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def snapshot(self) -> dict: ...
+
+
+class FixedLimit:
+    name = "fixed"
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(1, int(limit))
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def knee(self) -> int | None:
+        return None
+
+    def update(self, window: Window) -> None:
+        return None
+
+    def reset(self) -> None:
+        return None
+
+    def snapshot(self) -> dict:
+        return {"algorithm": self.name, "limit": self._limit, "knee": None}
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """Token throughput and latency measured at one limit, averaged over a few windows."""
+
+    level: int
+    tokens_per_s: float
+    itl: float | None
+    ttft: float | None
+    at: float
+
+    @staticmethod
+    def of(level: int, windows: list[Window]) -> Measure:
+        span = sum(w.duration for w in windows) or 1e-9
+        tps = sum(w.tokens for w in windows) / span
+        itls = [(w.itl, w.tokens) for w in windows if w.itl is not None and w.tokens]
+        itl = sum(x * n for x, n in itls) / sum(n for _, n in itls) if itls else None
+        ttfts = [w.ttft for w in windows if w.ttft is not None]
+        ttft = sum(ttfts) / len(ttfts) if ttfts else None
+        return Measure(level, tps, itl, ttft, windows[-1].end)
+
+
+def _rose(now: float | None, ref: float | None, tol: float) -> bool:
+    return now is not None and ref is not None and ref > 0 and now > ref * (1.0 + tol)
+
+
+Phase = Literal["climb", "hold", "probe_up", "probe_down"]
+
+
+class AdaptiveLimit:
+    """Knee search: the smallest in-flight count that reaches close to the backend's maximum
+    token throughput.
+
+    Each level is measured over ``measure_windows`` demand-bound windows (the proxy held the
+    backend at its limit; otherwise the window says nothing about the backend's capacity).
+    Climbing from the start, a step from P to L is kept while throughput grows with elasticity
+    >= ``min_gain`` (a 25% step must add >= 7.5% tokens/s with the defaults); the first step that
+    does not is undone, and P is the knee. At the knee the limit holds and every ``probe_every``
+    measurements probes one small step up or down (alternating): up is kept if it pays, down is
+    kept if the throughput lost is below the same elasticity — so the knee follows the backend
+    both ways. Explicit congestion (scraped queue > tolerance while TTFT rose, KV usage at
+    ``kv_high``, stale metrics, failing requests) backs off multiplicatively at once. A restart
+    or a drift in ITL/TTFT at the held knee starts the search again. Never below ``floor``.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, settings: LimitSettings | None = None, *, floor: int = 1) -> None:
+        self.s = settings or LimitSettings()
+        self.floor = max(1, floor, self.s.min_limit)
+        self.ceiling = max(self.floor, self.s.max_limit)
+        self.history: deque[tuple[float, int, str]] = deque(maxlen=256)
+        self.reset()
+
+    # ---- interface -------------------------------------------------------------------
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def knee(self) -> int | None:
+        return self._knee
+
+    def reset(self) -> None:
+        start = self.s.initial if self.s.initial is not None else max(self.floor, 8)
+        self._limit = self._clamp(start)
+        self._knee: int | None = None
+        self._phase: Phase = "climb"
+        self._ref: Measure | None = None  # measurement at the accepted level
+        self._baseline: Measure | None = None  # measurement when the knee was (re)chosen
+        self._windows: list[Window] = []
+        self._settle = 0
+        self._held = 0
+        self._probe_up_next = True
+        self._last: Window | None = None
+        self.reason = "start"
+
+    def update(self, window: Window) -> None:
+        self._last = window
+        if window.restarted:
+            self.reset()
+            self._log(window.end, "restarted: search again")
+            return
+        congestion = self._congestion(window)
+        if congestion and self._settle == 0:
+            self._back_off(window.end, congestion)
+            return
+        if not self._demand_bound(window):
+            self._windows.clear()
+            return
+        if self._settle > 0:
+            self._settle -= 1
+            return
+        if window.tokens <= 0:
+            return
+        self._windows.append(window)
+        if len(self._windows) < self.s.measure_windows:
+            return
+        m = Measure.of(self._limit, self._windows)
+        self._windows = []
+        if self._phase == "climb" or self._phase == "probe_up":
+            self._on_up(m)
+        elif self._phase == "probe_down":
+            self._on_down(m)
+        else:
+            self._on_hold(m)
+
+    def snapshot(self) -> dict:
+        ref, base, last = self._ref, self._baseline, self._last
+        return {
+            "algorithm": self.name,
+            "limit": self._limit,
+            "knee": self._knee,
+            "floor": self.floor,
+            "phase": self._phase,
+            "reason": self.reason,
+            "baseline_itl_s": base.itl if base else None,
+            "baseline_ttft_s": base.ttft if base else None,
+            "baseline_tokens_per_s": base.tokens_per_s if base else None,
+            "reference_tokens_per_s": ref.tokens_per_s if ref else None,
+            "current_itl_s": last.itl if last else None,
+            "current_ttft_s": last.ttft if last else None,
+            "current_tokens_per_s": last.tokens_per_s if last else None,
+        }
+
+    # ---- phases ----------------------------------------------------------------------
+
+    def _on_up(self, m: Measure) -> None:
+        ref = self._ref
+        if ref is None or ref.level >= m.level:
+            self._ref = m
+            self._set(self._up(m.level, self.s.step), m.at, "measured start; climb")
+            return
+        rel = m.level / ref.level - 1.0
+        gain = m.tokens_per_s / ref.tokens_per_s - 1.0 if ref.tokens_per_s > 0 else 1.0
+        if gain >= self.s.min_gain * rel:
+            self._ref = m
+            self._knee = m.level
+            self._baseline = m
+            self._phase = "climb"
+            self._set(
+                self._up(m.level, self.s.step),
+                m.at,
+                f"{ref.level}->{m.level} gained {gain:+.1%}: climb",
+            )
+            return
+        # No longer pays: the previous level is the knee.
+        self._knee = ref.level
+        self._phase = "hold"
+        self._held = 0
+        self._probe_up_next = False
+        rose = _rose(m.itl, ref.itl, self.s.latency_tolerance) or _rose(
+            m.ttft, ref.ttft, self.s.latency_tolerance
+        )
+        self._baseline = ref
+        self._set(
+            ref.level,
+            m.at,
+            f"{ref.level}->{m.level} gained {gain:+.1%}"
+            f"{' with latency rising' if rose else ''}: knee {ref.level}",
+        )
+
+    def _on_down(self, m: Measure) -> None:
+        ref = self._ref
+        assert ref is not None
+        rel = ref.level / m.level - 1.0
+        loss = ref.tokens_per_s / m.tokens_per_s - 1.0 if m.tokens_per_s > 0 else 1.0
+        if loss < self.s.min_gain * rel:
+            # The higher level was not worth its extra in-flight: move the knee down, keep going.
+            self._ref = m
+            self._knee = m.level
+            self._baseline = m
+            nxt = self._down(m.level)
+            if nxt < m.level:
+                self._set(nxt, m.at, f"{ref.level}->{m.level} lost only {loss:.1%}: lower")
+            else:
+                self._phase = "hold"
+                self._held = 0
+                self._set(m.level, m.at, f"{ref.level}->{m.level} lost only {loss:.1%}: floor")
+            return
+        self._phase = "hold"
+        self._held = 0
+        self._set(ref.level, m.at, f"{ref.level}->{m.level} lost {loss:.1%}: back to knee")
+
+    def _on_hold(self, m: Measure) -> None:
+        base = self._baseline
+        if base is not None and base.level == m.level:
+            drift = _rose(m.itl, base.itl, self.s.drift_tolerance) or _rose(
+                m.ttft, base.ttft, self.s.drift_tolerance
+            )
+            if drift and m.tokens_per_s < base.tokens_per_s * (1.0 + self.s.latency_tolerance):
+                # Same in-flight, slower answers, no more throughput: the backend changed
+                # (slower, restarted, shared with other traffic). Search again from below.
+                self._ref = None
+                self._baseline = None
+                self._phase = "climb"
+                self._set(
+                    self._down(m.level, self.s.step), m.at, "latency drifted at the knee: search"
+                )
+                return
+        self._ref = m
+        self._held += 1
+        if self._held < self.s.probe_every:
+            return
+        self._held = 0
+        up = self._probe_up_next or m.level <= self.floor
+        self._probe_up_next = not up
+        if up:
+            nxt = self._up(m.level, self.s.step / 2)
+            if nxt > m.level:
+                self._phase = "probe_up"
+                self._set(nxt, m.at, "probe up")
+        else:
+            nxt = self._down(m.level)
+            if nxt < m.level:
+                self._phase = "probe_down"
+                self._set(nxt, m.at, "probe down")
+
+    # ---- congestion --------------------------------------------------------------------
+
+    def _congestion(self, w: Window) -> str | None:
+        if w.stale:
+            return "scraped metrics stale"
+        if w.token_usage is not None and w.token_usage >= self.s.kv_high:
+            return f"KV usage {w.token_usage:.2f}"
+        if w.queue_reqs is not None and w.queue_reqs > self.s.queue_tolerance:
+            ref = self._baseline or self._ref
+            # The gauge confirms what the proxy's own timing says (it lags by up to 40 steps).
+            if ref is None or ref.ttft is None or _rose(w.ttft, ref.ttft, self.s.latency_tolerance):
+                return f"backend queueing {w.queue_reqs:g}"
+        if w.errors >= 2 and w.errors * 2 > w.completions:
+            return f"{w.errors} errors"
+        return None
+
+    def _back_off(self, now: float, why: str) -> None:
+        new = self._clamp(min(self._limit - 1, math.floor(self._limit * self.s.backoff)))
+        self._knee = new
+        self._ref = None
+        self._baseline = None
+        self._windows = []
+        self._phase = "hold" if new <= self.floor else "climb"
+        self._held = 0
+        self._set(new, now, f"{why}: back off")
+        # After a back-off the first measurement is a new reference, then climbing resumes.
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _demand_bound(self, w: Window) -> bool:
+        return w.at_limit >= 0.5 or w.in_flight >= 0.8 * max(w.limit, 1)
+
+    def _up(self, level: int, frac: float) -> int:
+        return self._clamp(level + max(1, round(level * frac)))
+
+    def _down(self, level: int, frac: float | None = None) -> int:
+        frac = self.s.step / 2 if frac is None else frac
+        return self._clamp(level - max(1, round(level * frac)))
+
+    def _clamp(self, n: int) -> int:
+        return max(self.floor, min(self.ceiling, int(n)))
+
+    def _set(self, new: int, now: float, why: str) -> None:
+        if new != self._limit:
+            self._settle = self.s.settle_windows
+            self._windows = []
+        self._limit = new
+        self.reason = why
+        self.history.append((now, new, why))
+
+
+def limit_floor(
+    settings: LimitSettings, parallelism: str | None = None, pp_size: int | None = None
+) -> int:
+    """The hint's floor: a pipeline-parallel backend needs pp_size requests in flight."""
+    floor = settings.min_limit
+    if parallelism == "pp" and pp_size:
+        floor = max(floor, int(pp_size))
+    return floor
+
+
+def make_limit(
+    settings: LimitSettings | None = None,
+    *,
+    parallelism: str | None = None,
+    pp_size: int | None = None,
+) -> Limit:
+    """Build the configured limit for one backend from its settings and parallelism hint."""
+    settings = settings or LimitSettings()
+    floor = limit_floor(settings, parallelism, pp_size)
+    if settings.algorithm == "fixed":
+        # A fixed limit is exactly what was asked for (benchmarks sweep below the floor too).
+        return FixedLimit(settings.initial if settings.initial is not None else max(floor, 32))
+    return AdaptiveLimit(settings, floor=floor)

@@ -1,0 +1,159 @@
+"""Routing policies: which of the backends with a free slot gets the next request.
+
+A policy only ranks; proxy/admission.py decides who is a candidate (routable, not excluded,
+below its limit) and increments ``in_flight`` right after ``pick`` returns, with no await in
+between. Policies read backends duck-typed: ``name``, ``weight``, ``in_flight``, ``limit``
+(``.limit``, ``.knee``) and ``stats`` (proxy/stats.BackendStats).
+
+- ``round_robin``: smooth weighted round robin (nginx's algorithm).
+- ``least_in_flight``: fewest in flight per unit of weight; ties rotate.
+- ``p2c_peak_ewma``: two random candidates, the lower peak-EWMA TTFT x (in_flight + 1) wins
+  (Finagle/tower/Linkerd); errors and 429s enter the EWMA as slow samples.
+- ``latency`` (default): the soonest expected completion,
+  ``ttft + out_tokens x itl x max(1, (in_flight + 1) / knee)`` with this backend's measured
+  TTFT and ITL, the in-flight count it would have, and its knee (limit) as the number of
+  requests it drains in parallel without slowing down; ``out_tokens`` is the same for every
+  candidate (mean measured output length), so only the backend's speed decides.
+
+A backend without measurements yet (new, restarted, or failing) ranks first in the latency
+policies so that it gets probed; admission caps such an untrusted backend at
+``probe_in_flight`` requests until its first token arrives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PolicyName = Literal["latency", "p2c_peak_ewma", "round_robin", "least_in_flight"]
+
+
+class RoutingSettings(BaseModel):
+    """``[routing]``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: PolicyName = "latency"
+    probe_in_flight: int = Field(
+        1, ge=1, description="requests an untrusted (new/failing) backend may hold at once"
+    )
+    default_output_tokens: int = Field(
+        128, ge=1, description="latency policy: output length assumed before any is measured"
+    )
+    seed: int | None = Field(None, description="p2c_peak_ewma: random seed (tests)")
+
+
+class Policy(Protocol):
+    name: str
+
+    def pick(self, candidates: list[Any]) -> Any: ...
+
+
+def _weight(b: Any) -> float:
+    w = getattr(b, "weight", 1.0) or 1.0
+    return max(float(w), 1e-6)
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._current: dict[str, float] = {}
+
+    def pick(self, candidates: list[Any]) -> Any:
+        total = 0.0
+        best = None
+        best_cw = 0.0
+        for b in candidates:
+            w = _weight(b)
+            total += w
+            cw = self._current.get(b.name, 0.0) + w
+            self._current[b.name] = cw
+            if best is None or cw > best_cw:
+                best, best_cw = b, cw
+        assert best is not None, "pick() needs at least one candidate"
+        self._current[best.name] = best_cw - total
+        return best
+
+
+class LeastInFlight:
+    name = "least_in_flight"
+
+    def __init__(self) -> None:
+        self._tick = itertools.count()
+
+    def pick(self, candidates: list[Any]) -> Any:
+        n = len(candidates)
+        offset = next(self._tick) % n
+        rotated = candidates[offset:] + candidates[:offset]
+        return min(rotated, key=lambda b: (b.in_flight + 1) / _weight(b))
+
+
+class P2CPeakEwma:
+    name = "p2c_peak_ewma"
+
+    #: cost of a backend with requests in flight but no latency sample yet (Finagle's penalty)
+    PENALTY = 1e6
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def cost(self, b: Any) -> float:
+        rtt = b.stats.ttft
+        if rtt is None or rtt == 0:
+            return self.PENALTY + b.in_flight if b.in_flight else 0.0
+        return rtt * (b.in_flight + 1) / _weight(b)
+
+    def pick(self, candidates: list[Any]) -> Any:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(candidates, 2)
+        return a if self.cost(a) <= self.cost(b) else b
+
+
+class Latency:
+    name = "latency"
+
+    def __init__(self, default_output_tokens: int = 128) -> None:
+        self.default_output_tokens = default_output_tokens
+        self._tick = itertools.count()
+
+    def expected_completion(self, b: Any, out_tokens: float) -> float:
+        """Seconds until a request sent to ``b`` now would finish (-1: no data, probe it)."""
+        ttft, itl = b.stats.ttft, b.stats.itl
+        if ttft is None or itl is None:
+            return -1.0
+        knee = getattr(b.limit, "knee", None) or b.limit.limit
+        slowdown = max(1.0, (b.in_flight + 1) / max(knee, 1))
+        return (ttft + out_tokens * itl * slowdown) / _weight(b)
+
+    def pick(self, candidates: list[Any]) -> Any:
+        outs = [b.stats.output_tokens for b in candidates if b.stats.output_tokens]
+        out = sum(outs) / len(outs) if outs else float(self.default_output_tokens)
+        n = len(candidates)
+        offset = next(self._tick) % n  # rotate so exact ties spread
+        rotated = candidates[offset:] + candidates[:offset]
+        return min(rotated, key=lambda b: self.expected_completion(b, out))
+
+
+def make_policy(name: str | RoutingSettings = "latency", **kwargs: Any) -> Policy:
+    """Build a policy by name (or from ``RoutingSettings``)."""
+    if isinstance(name, RoutingSettings):
+        kwargs.setdefault("seed", name.seed)
+        kwargs.setdefault("default_output_tokens", name.default_output_tokens)
+        name = name.policy
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_in_flight":
+        return LeastInFlight()
+    if name == "p2c_peak_ewma":
+        return P2CPeakEwma(seed=kwargs.get("seed"))
+    if name == "latency":
+        return Latency(default_output_tokens=kwargs.get("default_output_tokens", 128))
+    raise ValueError(
+        f"unknown routing policy {name!r} (choose latency, p2c_peak_ewma, round_robin, "
+        "least_in_flight)"
+    )

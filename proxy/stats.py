@@ -1,0 +1,418 @@
+"""Per-backend statistics: the one place observations land.
+
+The forwarding path calls ``observe_*`` as a response streams (TTFT, inter-token gaps, tokens,
+completion); the admission layer reports in-flight changes; the scraper reports SGLang's gauges.
+Two kinds of read side come out of it:
+
+- long-lived estimates for routing (time-decayed EWMAs: TTFT with peaks adopted at once, ITL,
+  drain rate in tokens/s and completions/s, output tokens per request), read as properties;
+- fixed windows for the limit algorithms: :meth:`BackendStats.take_window` closes the current
+  window and returns a :class:`Window` of plain numbers, so a limit never sees this object.
+
+Nothing here awaits; all methods are O(1) except closing a window (a sort of its TTFT samples).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One window of a backend's observations, the input of a limit algorithm.
+
+    ``in_flight`` is the proxy's own time-averaged count; ``at_limit`` the fraction of the window
+    the backend spent with ``in_flight >= limit`` (1.0 means demand exceeded the limit all along).
+    Scraped values are the latest fresh ones, or None when the backend is not scraped; ``stale``
+    is True when scraping is configured but its last success is too old (count as saturated).
+    """
+
+    start: float
+    end: float
+    limit: int
+    in_flight: float
+    at_limit: float
+    tokens: int
+    tokens_per_s: float
+    itl: float | None  # mean seconds per token over the window
+    ttft: float | None  # median of the window's TTFT samples
+    ttft_count: int
+    completions: int
+    errors: int
+    queue_reqs: float | None = None
+    token_usage: float | None = None
+    running_reqs: float | None = None
+    stale: bool = False
+    restarted: bool = False
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class DecayingEwma:
+    """Time-decayed moving average (Finagle's peak EWMA when ``peak`` is set).
+
+    ``tau`` is the decay time in seconds; with ``peak`` a sample above the current value is
+    adopted at once and lower samples pull it down slowly.
+    """
+
+    __slots__ = ("_stamp", "peak", "tau", "value")
+
+    def __init__(self, tau: float, *, peak: bool = False) -> None:
+        self.tau = tau
+        self.peak = peak
+        self.value: float | None = None
+        self._stamp = 0.0
+
+    def observe(self, x: float, now: float) -> None:
+        if self.value is None:
+            self.value = x
+        elif self.peak and x > self.value:
+            self.value = x
+        else:
+            w = math.exp(-max(now - self._stamp, 0.0) / self.tau)
+            self.value = self.value * w + x * (1.0 - w)
+        self._stamp = now
+
+    def reset(self) -> None:
+        self.value = None
+
+
+class RateMeter:
+    """Events per second over a sliding horizon, in fixed buckets (tokens/s, completions/s)."""
+
+    __slots__ = ("_buckets", "_n", "_width")
+
+    def __init__(self, horizon_s: float = 10.0, buckets: int = 20) -> None:
+        self._n = buckets
+        self._width = horizon_s / buckets
+        self._buckets: dict[int, float] = {}
+
+    def add(self, amount: float, now: float) -> None:
+        key = int(now // self._width)
+        self._buckets[key] = self._buckets.get(key, 0.0) + amount
+        if len(self._buckets) > self._n + 2:
+            oldest = key - self._n
+            for k in [k for k in self._buckets if k <= oldest]:
+                del self._buckets[k]
+
+    def rate(self, now: float) -> float:
+        key = int(now // self._width)
+        lo = key - self._n + 1
+        total = sum(v for k, v in self._buckets.items() if lo <= k <= key)
+        span = self._n * self._width
+        return total / span
+
+
+@dataclass(slots=True)
+class ScrapeState:
+    """The latest scrape of a backend's /metrics (gauges summed over ranks)."""
+
+    ok_at: float | None = None  # when the last successful scrape happened
+    attempted_at: float | None = None
+    queue_reqs: float | None = None
+    running_reqs: float | None = None
+    token_usage: float | None = None
+    generation_tokens_total: float | None = None
+    errors: int = 0
+    restarts: int = 0
+    last_error: str | None = None
+
+
+@dataclass(slots=True)
+class _WindowAcc:
+    start: float
+    tokens: int = 0
+    itl_sum: float = 0.0
+    itl_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    completions: int = 0
+    errors: int = 0
+    in_flight_area: float = 0.0
+    at_limit_time: float = 0.0
+
+
+class BackendStats:
+    """Observations of one backend.
+
+    ``clock`` is a monotonic time source (injectable for tests). ``stale_after_s`` is how old the
+    last successful scrape may be before the backend counts as saturated; None disables the
+    check (also the state before any scraper reported).
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        decay_s: float = 10.0,
+        stale_after_s: float | None = None,
+        error_penalty_s: float = 1.0,
+    ) -> None:
+        self._clock = clock
+        self.decay_s = decay_s
+        self.stale_after_s = stale_after_s
+        self.error_penalty_s = error_penalty_s
+        # routing estimates
+        self.ttft_ewma = DecayingEwma(decay_s, peak=True)
+        self.itl_ewma = DecayingEwma(decay_s)
+        self.output_tokens_ewma = DecayingEwma(decay_s * 3)
+        self._tokens_rate = RateMeter(horizon_s=decay_s)
+        self._completion_rate = RateMeter(horizon_s=decay_s)
+        self.peak_tokens_per_s = DecayingEwma(decay_s * 6, peak=True)
+        # counters
+        self.ttft_count = 0
+        self.first_bytes = 0
+        self.tokens_total = 0
+        self.completions_ok = 0
+        self.completions_failed = 0
+        self.errors_by_kind: dict[str, int] = {}
+        self.consecutive_errors = 0
+        self.scrape = ScrapeState()
+        # in-flight integration for windows
+        self._in_flight = 0
+        self._limit = 0
+        self._if_stamp = clock()
+        self._win = _WindowAcc(start=self._if_stamp)
+        self._restart_pending = False
+        self.window_baseline: dict[str, float | None] = {}
+
+    # ---- write side (forwarding, admission, scraper) ------------------------------------
+
+    def now(self) -> float:
+        return self._clock()
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Time from sending the request upstream to its first token-carrying event."""
+        now = self._clock()
+        self.ttft_count += 1
+        self.ttft_ewma.observe(seconds, now)
+        self._win.ttfts.append(seconds)
+
+    def observe_first_byte(self) -> None:
+        """The backend started answering (response headers): enough to trust a new backend
+        with more than a probe's worth of requests, also for non-streaming traffic."""
+        self.first_bytes += 1
+
+    def observe_itl(self, seconds_per_token: float, tokens: int = 1) -> None:
+        """One inter-token gap: an event with ``tokens`` tokens after a gap gives that many samples
+        of ``gap / tokens``."""
+        if tokens <= 0:
+            return
+        now = self._clock()
+        self.itl_ewma.observe(seconds_per_token, now)
+        self._win.itl_sum += seconds_per_token * tokens
+        self._win.itl_tokens += tokens
+
+    def observe_tokens(self, n: int, now: float | None = None) -> None:
+        """``n`` generated tokens arrived (each token-carrying event, first one included)."""
+        if n <= 0:
+            return
+        now = self._clock() if now is None else now
+        self.tokens_total += n
+        self._win.tokens += n
+        self._tokens_rate.add(n, now)
+
+    def observe_completion(
+        self,
+        ok: bool,
+        error_kind: str | None = None,
+        duration: float | None = None,
+        output_tokens: int | None = None,
+    ) -> None:
+        """A request to this backend ended. Errors (incl. 429) count as slow for routing: they
+        feed a TTFT penalty so a fast failure never attracts traffic."""
+        now = self._clock()
+        self._completion_rate.add(1, now)
+        self._win.completions += 1
+        if ok:
+            self.completions_ok += 1
+            self.consecutive_errors = 0
+            if output_tokens is not None and output_tokens > 0:
+                self.output_tokens_ewma.observe(float(output_tokens), now)
+        else:
+            self.completions_failed += 1
+            self.consecutive_errors += 1
+            self._win.errors += 1
+            kind = error_kind or "error"
+            self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
+            current = self.ttft_ewma.value or 0.0
+            self.ttft_ewma.observe(max(self.error_penalty_s, 3.0 * current), now)
+
+    def observe_in_flight(self, in_flight: int, limit: int, now: float | None = None) -> None:
+        """The proxy's in-flight count (or the limit) for this backend changed."""
+        now = self._clock() if now is None else now
+        self._integrate(now)
+        self._in_flight = in_flight
+        self._limit = limit
+
+    def observe_scrape(
+        self,
+        *,
+        ok: bool,
+        queue_reqs: float | None = None,
+        running_reqs: float | None = None,
+        token_usage: float | None = None,
+        generation_tokens_total: float | None = None,
+        error: str | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Result of one scrape of the backend's /metrics (gauges already summed over ranks).
+        A counter that went backwards means the backend restarted."""
+        now = self._clock() if now is None else now
+        s = self.scrape
+        s.attempted_at = now
+        if not ok:
+            s.errors += 1
+            s.last_error = error
+            return
+        if (
+            generation_tokens_total is not None
+            and s.generation_tokens_total is not None
+            and generation_tokens_total + 1e-9 < s.generation_tokens_total
+        ):
+            s.restarts += 1
+            self._restart_pending = True
+        s.ok_at = now
+        s.queue_reqs = queue_reqs
+        s.running_reqs = running_reqs
+        s.token_usage = token_usage
+        s.generation_tokens_total = generation_tokens_total
+        s.last_error = None
+
+    def mark_restarted(self) -> None:
+        """Health saw the backend come back: the next window tells the limit to start over."""
+        self._restart_pending = True
+
+    # ---- read side ---------------------------------------------------------------------
+
+    @property
+    def ttft(self) -> float | None:
+        """Peak-EWMA TTFT in seconds (errors included as penalties)."""
+        return self.ttft_ewma.value
+
+    @property
+    def itl(self) -> float | None:
+        """EWMA inter-token latency, seconds per token."""
+        return self.itl_ewma.value
+
+    @property
+    def output_tokens(self) -> float | None:
+        """EWMA of output tokens per successful request."""
+        return self.output_tokens_ewma.value
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self._tokens_rate.rate(self._clock())
+
+    @property
+    def completions_per_s(self) -> float:
+        return self._completion_rate.rate(self._clock())
+
+    @property
+    def max_tokens_per_s(self) -> float | None:
+        """Slowly decaying peak of the windowed token throughput (the backend's drain rate)."""
+        return self.peak_tokens_per_s.value
+
+    @property
+    def trusted(self) -> bool:
+        """A backend is trusted once it has answered (first byte, first token or a completed
+        request) and its latest request did not fail."""
+        answered = self.first_bytes > 0 or self.ttft_count > 0 or self.completions_ok > 0
+        return answered and self.consecutive_errors == 0
+
+    def scrape_age(self, now: float | None = None) -> float | None:
+        if self.scrape.ok_at is None:
+            return None
+        return (self._clock() if now is None else now) - self.scrape.ok_at
+
+    def scrape_stale(self, now: float | None = None) -> bool:
+        """True when scraping is enabled and its last success is older than stale_after_s."""
+        if self.stale_after_s is None or self.scrape.attempted_at is None:
+            return False
+        age = self.scrape_age(now)
+        return age is None or age > self.stale_after_s
+
+    @property
+    def window_started(self) -> float:
+        return self._win.start
+
+    def window_tokens(self) -> int:
+        return self._win.tokens
+
+    def take_window(self, now: float | None = None) -> Window:
+        """Close the current window and return it; a new one starts at ``now``."""
+        now = self._clock() if now is None else now
+        self._integrate(now)
+        w = self._win
+        span = max(now - w.start, 1e-9)
+        ttft = None
+        if w.ttfts:
+            xs = sorted(w.ttfts)
+            ttft = xs[len(xs) // 2]
+        stale = self.scrape_stale(now)
+        fresh = self.scrape.ok_at is not None and not stale
+        tps = w.tokens / span
+        if w.tokens > 0 and span > 0.2:
+            self.peak_tokens_per_s.observe(tps, now)
+        out = Window(
+            start=w.start,
+            end=now,
+            limit=self._limit,
+            in_flight=w.in_flight_area / span,
+            at_limit=w.at_limit_time / span,
+            tokens=w.tokens,
+            tokens_per_s=tps,
+            itl=(w.itl_sum / w.itl_tokens) if w.itl_tokens else None,
+            ttft=ttft,
+            ttft_count=len(w.ttfts),
+            completions=w.completions,
+            errors=w.errors,
+            queue_reqs=self.scrape.queue_reqs if fresh else None,
+            token_usage=self.scrape.token_usage if fresh else None,
+            running_reqs=self.scrape.running_reqs if fresh else None,
+            stale=stale,
+            restarted=self._restart_pending,
+        )
+        self._restart_pending = False
+        self._win = _WindowAcc(start=now)
+        return out
+
+    def snapshot(self) -> dict:
+        """Plain-data view for /admin/backends."""
+        now = self._clock()
+        return {
+            "ttft_s": self.ttft,
+            "itl_s": self.itl,
+            "tokens_per_s": self.tokens_per_s,
+            "max_tokens_per_s": self.max_tokens_per_s,
+            "completions_per_s": self.completions_per_s,
+            "output_tokens_mean": self.output_tokens,
+            "trusted": self.trusted,
+            "tokens_total": self.tokens_total,
+            "completions_ok": self.completions_ok,
+            "completions_failed": self.completions_failed,
+            "errors_by_kind": dict(self.errors_by_kind),
+            "scrape": {
+                "queue_reqs": self.scrape.queue_reqs,
+                "running_reqs": self.scrape.running_reqs,
+                "token_usage": self.scrape.token_usage,
+                "age_s": self.scrape_age(now),
+                "stale": self.scrape_stale(now),
+                "errors": self.scrape.errors,
+                "restarts": self.scrape.restarts,
+            },
+        }
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _integrate(self, now: float) -> None:
+        dt = now - self._if_stamp
+        if dt > 0:
+            self._win.in_flight_area += self._in_flight * dt
+            if self._limit > 0 and self._in_flight >= self._limit:
+                self._win.at_limit_time += dt
+        self._if_stamp = now
