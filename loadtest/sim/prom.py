@@ -1,0 +1,156 @@
+"""The simulator's ``/metrics``: SGLang's Prometheus names, labels and staleness.
+
+Scheduler gauges (``sglang:num_running_reqs``, ``sglang:token_usage``, ...) are read from
+``engine.logged_stats()`` at scrape time: like SGLang's, they change only on prefill batches
+and every ``decode_log_interval`` decode steps, and keep their last value when idle. They
+carry the scheduler labels (``model_name``, ``engine_type``, ``tp_rank``, ``pp_rank``,
+``moe_ep_rank``); only rank 0 reports, as with SGLang's default (other ranks'
+schedulers do not export unless ``--enable-metrics-for-all-schedulers``), so summing
+series never double counts. Per-request histograms and token counters are the tokenizer
+side's and carry ``model_name`` only. Durations are modelled seconds (wall seconds
+divided by ``--time-scale``), i.e. what the real deployment would report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+# Bucket bounds as in SGLang's metrics collector (tokenizer side).
+TTFT_BUCKETS = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0,
+    100.0, 200.0, 400.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060,
+    0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0,
+    100.0, 200.0, 400.0, 800.0, 1200.0, 1600.0, 2000.0, 2400.0,
+)  # fmt: skip
+RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20, 50, 100)
+
+# (metric, attribute of logged_stats, help)
+SCHEDULER_GAUGES = (
+    ("sglang:num_running_reqs", "num_running_reqs", "The number of running requests."),
+    ("sglang:num_queue_reqs", "num_queue_reqs", "The number of requests in the waiting queue."),
+    ("sglang:num_grammar_queue_reqs", "num_grammar_queue_reqs",
+     "The number of requests in the grammar waiting queue."),
+    ("sglang:num_used_tokens", "num_used_tokens", "The number of used tokens."),
+    ("sglang:token_usage", "token_usage", "The token usage."),
+    ("sglang:max_total_num_tokens", "max_total_num_tokens",
+     "Maximum total number of tokens in the KV cache pool."),
+    ("sglang:gen_throughput", "gen_throughput", "The generation throughput (token/s)."),
+    ("sglang:cache_hit_rate", "cache_hit_rate", "The prefix cache hit rate."),
+    ("sglang:num_retracted_reqs", "num_retracted_reqs", "The number of retracted requests."),
+    ("sglang:utilization", "utilization", "The utilization."),
+)  # fmt: skip
+
+# (metric without _total, engine counter attribute, help)
+COUNTERS = (
+    ("sglang:prompt_tokens", "prompt_tokens_total", "Number of prefill tokens processed."),
+    ("sglang:generation_tokens", "generation_tokens_total",
+     "Number of generation tokens processed."),
+    ("sglang:cached_tokens", "cached_tokens_total",
+     "Number of cached prompt tokens."),
+    ("sglang:num_requests", "requests_total", "The number of requests."),
+    ("sglang:num_aborted_requests", "aborted_total", "The number of aborted requests."),
+    ("sglang:num_retracted_requests", "retractions_total", "The number of retracted requests."),
+)  # fmt: skip
+
+
+def stat(obj: Any, name: str, default: float = 0.0) -> float:
+    """Read one field from a stats object (dataclass, pydantic model or dict)."""
+    if obj is None:
+        return default
+    value = obj.get(name, default) if isinstance(obj, dict) else getattr(obj, name, default)
+    return default if value is None else value
+
+
+class _EngineCollector:
+    """Reads the engine's (stale) gauges and counters at scrape time."""
+
+    def __init__(self, engine: Any, scheduler_labels: dict[str, str], model_name: str) -> None:
+        self._engine = engine
+        self._labels = scheduler_labels
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        logged = self._engine.logged_stats()
+        names, values = list(self._labels), list(self._labels.values())
+        for metric, attr, doc in SCHEDULER_GAUGES:
+            g = GaugeMetricFamily(metric, doc, labels=names)
+            g.add_metric(values, float(stat(logged, attr)))
+            yield g
+        counters = _counters(self._engine)
+        for metric, attr, doc in COUNTERS:
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric([self._model], float(stat(counters, attr)))
+            yield c
+
+
+def _counters(engine: Any) -> Any:
+    counters = getattr(engine, "counters", None)
+    if callable(counters):
+        counters = counters()
+    return counters if counters is not None else engine.live_stats()
+
+
+class SimMetrics:
+    """One backend's registry: engine gauges/counters plus per-request histograms."""
+
+    def __init__(self, engine: Any, *, model_name: str, parallelism: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        labels = {
+            "model_name": model_name,
+            "engine_type": "unified",
+            "tp_rank": "0",
+            "pp_rank": "0",
+        }
+        if parallelism == "ep":
+            labels["moe_ep_rank"] = "0"
+        self.registry.register(_EngineCollector(engine, labels, model_name))
+        kw = {"labelnames": ["model_name"], "registry": self.registry}
+        self._ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            buckets=TTFT_BUCKETS,
+            **kw,
+        ).labels(model_name)
+        self._itl = Histogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            buckets=ITL_BUCKETS,
+            **kw,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            buckets=E2E_BUCKETS,
+            **kw,
+        ).labels(model_name)
+        self._retractions = Histogram(
+            "sglang:num_retractions",
+            "Histogram of retractions per request.",
+            buckets=RETRACTION_BUCKETS,
+            **kw,
+        ).labels(model_name)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_chunk(self, interval: float, new_tokens: int) -> None:
+        """SGLang observes one ITL sample per chunk: interval / tokens in the chunk."""
+        if new_tokens > 0:
+            self._itl.observe(interval / new_tokens)
+
+    def observe_finish(self, e2e: float, retractions: int) -> None:
+        self._e2e.observe(e2e)
+        self._retractions.observe(retractions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,167 @@
+"""The simulator's aiohttp server: one `SimBackend` (engine + state) per port.
+
+Served like SGLang behind uvicorn: idle keep-alive connections are closed after
+``keepalive_s`` (5 s by default), and a client that disconnects cancels its handler at
+once (``handler_cancellation``), which aborts its request in the engine. An HTTP/2
+prior-knowledge preface (sglang-router tries one first) is answered 400 by aiohttp's
+parser; the log records one line instead of a traceback, so the client falls back to
+HTTP/1.1 cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from loadtest.sim.clock import WallClock
+from loadtest.sim.engine import Engine
+from loadtest.sim.faults import FaultConfig, Faults
+from loadtest.sim.profiles import Profile
+from loadtest.sim.prom import SimMetrics
+
+log = logging.getLogger("loadtest.sim")
+
+SGLANG_VERSION = "0.5.5"  # the version string /server_info reports
+MAX_BODY = 64 * 1024 * 1024
+
+
+@dataclass
+class SimBackend:
+    """One simulated SGLang server: its profile, engine, faults, metrics and status."""
+
+    profile: Profile
+    port: int = 30000
+    host: str = "127.0.0.1"
+    time_scale: float = 1.0
+    seed: int = 0
+    faults: Faults = field(default_factory=Faults)
+    trace: IO[bytes] | None = None
+    engine: Any = None
+    status: str = "starting"  # starting | ready | shutting_down
+    created: int = field(default_factory=lambda: int(time.time()))
+    version: str = SGLANG_VERSION
+
+    def __post_init__(self) -> None:
+        if self.engine is None:
+            self.engine = Engine(self.profile, WallClock(self.time_scale), seed=self.seed)
+        self.metrics = SimMetrics(
+            self.engine, model_name=self.model_name, parallelism=self.profile.parallelism
+        )
+        self.health_checks = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.profile.model_name
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready" and not self.faults.starting
+
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+    def trace_write(self, record: dict) -> None:
+        if self.trace is not None:
+            self.trace.write(orjson.dumps(record) + b"\n")
+            self.trace.flush()
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self.faults.started_at = time.monotonic()
+        self.status = "ready"
+
+    async def stop(self) -> None:
+        self.status = "shutting_down"
+        self.engine.abort_all()
+        await self.engine.stop()
+
+
+def build_app(backend: SimBackend) -> web.Application:
+    from loadtest.sim import faults_api, native_api, openai_api
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app["backend"] = backend
+    openai_api.add_routes(app)
+    native_api.add_routes(app)
+    faults_api.add_routes(app)
+    return app
+
+
+class _PrefaceFilter(logging.Filter):
+    """Turns aiohttp's traceback for a request it cannot parse (an HTTP/2 preface) into a line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = "rejected a request that is not HTTP/1.x (%s); answered 400"
+            record.args = (getattr(exc, "message", None) or type(exc).__name__,)
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return logging.getLogger("aiohttp.server").isEnabledFor(logging.INFO)
+        return True
+
+
+def install_log_filter() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _PrefaceFilter) for f in server_log.filters):
+        server_log.addFilter(_PrefaceFilter())
+
+
+@asynccontextmanager
+async def serve(
+    backends: list[SimBackend], *, keepalive_s: float = 5.0, access_log: bool = False
+) -> AsyncIterator[list[SimBackend]]:
+    """Start every backend on its port; stop them (and their engines) on exit."""
+    install_log_filter()
+    runners: list[web.AppRunner] = []
+    try:
+        for b in backends:
+            runner = web.AppRunner(
+                build_app(b),
+                keepalive_timeout=keepalive_s,
+                handler_cancellation=True,
+                access_log=logging.getLogger("aiohttp.access") if access_log else None,
+                shutdown_timeout=0.5,
+            )
+            await runner.setup()
+            runners.append(runner)
+            await b.engine.start()
+            site = web.TCPSite(runner, b.host, b.port, reuse_address=True)
+            await site.start()
+            b.faults.started_at = time.monotonic()
+            b.status = "ready"
+        yield backends
+    finally:
+        for b in backends:
+            b.status = "shutting_down"
+        for b in backends:
+            try:
+                b.engine.abort_all()
+                await b.engine.stop()
+            except Exception:  # pragma: no cover - shutting down anyway
+                log.debug("engine stop failed", exc_info=True)
+        for r in runners:
+            await r.cleanup()
+
+
+async def wait_forever() -> None:
+    await asyncio.Event().wait()
+
+
+def open_trace(path: str | None) -> IO[bytes] | None:
+    return None if path is None else Path(path).open("ab")
+
+
+__all__ = ["FaultConfig", "SimBackend", "build_app", "serve"]

@@ -1,0 +1,131 @@
+"""Writes one generation as an SSE stream, for any route's event shapes.
+
+A *shaper* (chat, completions, /generate) turns token steps into events:
+``opening()`` after the first step arrives, ``content(step, usage)`` per step (``None`` to
+skip), ``closing(include_usage)`` at the end. The writer sends HTTP 200 only once the
+first step exists, as SGLang does, marks every token-carrying write for the trace and
+histograms, and carries out the request's stall/drop fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from loadtest.sim.faults import Decision
+from loadtest.sim.generation import Generation, Step
+from loadtest.sim.http_util import SSE_HEADERS
+
+
+class Shaper(Protocol):
+    def opening(self) -> list[bytes]: ...
+    def content(self, step: Step, usage: dict | None, index: int = 0) -> bytes | None: ...
+    def closing(self, include_usage: bool) -> list[bytes]: ...
+
+
+def running_usage(gen: Generation) -> dict:
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
+    }
+
+
+class StreamWriter:
+    """Streams one generation, or several interleaved (a batch ``/generate``)."""
+
+    def __init__(
+        self, request: web.Request, gens: Generation | list[Generation], decision: Decision
+    ) -> None:
+        self.request, self.decision = request, decision
+        self.gens = gens if isinstance(gens, list) else [gens]
+        self.sent_tokens = 0
+
+    async def run(
+        self, shaper: Any, include_usage: bool = False, continuous_usage: bool = False
+    ) -> web.StreamResponse:
+        async with _merged(self.gens) as steps:
+            item = await _next(steps)
+            resp = web.StreamResponse(headers=SSE_HEADERS)
+            await resp.prepare(self.request)
+            for data in shaper.opening():
+                await resp.write(data)
+            while item is not None:
+                if await self._fault():
+                    return resp
+                index, step = item
+                gen = self.gens[index]
+                usage = running_usage(gen) if continuous_usage else None
+                data = shaper.content(step, usage, index)
+                if data is not None:
+                    gen.mark_write(len(step.token_ids))
+                    await resp.write(data)
+                    self.sent_tokens += len(step.token_ids)
+                item = await _next(steps)
+        for data in shaper.closing(include_usage):
+            await resp.write(data)
+        await resp.write_eof()
+        return resp
+
+    async def _fault(self) -> bool:
+        fate = self.decision.fate
+        if fate not in ("stall", "drop") or self.sent_tokens < self.decision.after_tokens:
+            return False
+        if fate == "stall":  # hold the connection open, send nothing, until the client leaves
+            await asyncio.Event().wait()
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()  # drop: cut the connection mid-stream
+        return True
+
+
+async def _next(steps: AsyncIterator[tuple[int, Step]]) -> tuple[int, Step] | None:
+    try:
+        return await steps.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+@asynccontextmanager
+async def _merged(gens: list[Generation]) -> AsyncIterator[AsyncIterator[tuple[int, Step]]]:
+    """(index, step) pairs of every generation, in the order they are produced."""
+    if len(gens) == 1:
+        yield _indexed(0, gens[0])
+        return
+    queue: asyncio.Queue[tuple[int, Step] | None] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for step in gen.steps():
+                queue.put_nowait((i, step))
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+
+    async def drain() -> AsyncIterator[tuple[int, Step]]:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            else:
+                yield item
+
+    try:
+        yield drain()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _indexed(i: int, gen: Generation) -> AsyncIterator[tuple[int, Step]]:
+    async for step in gen.steps():
+        yield i, step
