@@ -358,7 +358,8 @@ def summarize_level(
 
     achieved, c_max = _concurrency(records, w0, w1)
 
-    tpots = [t for t in (r.tpot for r in ok) if t is not None]
+    # all tokens in one event (a whole, non-streamed response) carries no decode timing
+    tpots = [t for r in ok if (t := r.tpot) is not None and r.t_last > r.t_first]
     e2e_rates = [
         r.output_tokens / e
         for r in ok
