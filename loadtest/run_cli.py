@@ -385,9 +385,14 @@ def _finish(args: argparse.Namespace, sweep: Any, outcome: Any) -> int:
             result.write_csv(args.csv)
             print(f"wrote {args.csv}", file=sys.stderr)
         if args.plot and result.levels:
-            from loadtest import plot
+            from loadtest.plot import PlotUnavailable, plot_sweep
 
-            plot.plot_run(result, args.plot)
+            try:
+                plot_sweep(result, args.plot)
+            except PlotUnavailable as exc:
+                raise CliError(str(exc)) from None
+            except (OSError, ValueError) as exc:
+                raise CliError(f"cannot write plot {args.plot}: {exc}") from None
             print(f"wrote {args.plot}", file=sys.stderr)
     except ResultsError as exc:
         raise CliError(str(exc)) from None
@@ -397,24 +402,6 @@ def _finish(args: argparse.Namespace, sweep: Any, outcome: Any) -> int:
 
 
 def _print_report(result: Any) -> None:
-    try:
-        from loadtest import report
-    except ImportError:
-        report = None
-    if report is not None and hasattr(report, "print_run"):
-        report.print_run(result)
-        return
-    # minimal fallback until loadtest/report.py provides print_run
-    for level in result.levels:
-        print(
-            f"C={level.label:>6}  achieved {level.achieved_concurrency:6.2f}  "
-            f"{level.output_tok_s:9.1f} tok/s  req/s {level.request_throughput:7.2f}  "
-            f"TTFT p50 {_ms(level.ttft.p50)}  TPOT p50 {_ms(level.tpot.p50)}  "
-            f"errors {sum(level.errors.values())}"
-        )
-        for w in (level.selfcheck or {}).get("warnings", []):
-            print(f"   ! {w}")
+    from loadtest.report import make_console, render_run
 
-
-def _ms(v: float | None) -> str:
-    return "     -" if v is None else f"{v * 1e3:6.1f}ms"
+    render_run(result, make_console())

@@ -122,6 +122,9 @@ async def run_level(
     records: list[RequestRecord] = []
     delays: list[float] = []
     lag = LoopLagMonitor()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     now = time.monotonic()
     t0 = max(t0 if t0 is not None else now, now)
     if t0 > now:
@@ -132,10 +135,6 @@ async def run_level(
     first_idle: list[float] = []  # request mode: when the first worker ran out of work
     last_arrival: list[float] = []
     measured = 0
-
-    gc.collect()
-    gc.freeze()
-    gc.disable()
     cpu = CpuMeter()
     lag.start()
 
@@ -161,11 +160,14 @@ async def run_level(
         return True
 
     async def worker(w: int) -> None:
-        t_free = t0
+        # dispatch delay = this send - the previous request's end (a worker's first send is
+        # part of the start-up burst, not a slot freeing, so it has none)
+        t_free: float | None = None
         while may_start(time.monotonic()):
             rec = RequestRecord(level=plan.level, worker=w, t_scheduled=0.0, t_send=0.0)
             await one(rec, closed=True)
-            delays.append(rec.t_send - t_free)
+            if t_free is not None:
+                delays.append(rec.t_send - t_free)
             t_free = rec.t_end if rec.t_end is not None else time.monotonic()
         if not first_idle:
             first_idle.append(time.monotonic())
@@ -314,6 +316,24 @@ class SweepOutcome:
     interrupted: bool = False
 
 
+def _server_summary(info: dict | None) -> dict | None:
+    """The few /get_server_info fields worth a header line (the full dict is kept too)."""
+    if not info:
+        return None
+    keys = (
+        "version",
+        "model_path",
+        "served_model_name",
+        "tp_size",
+        "pp_size",
+        "ep_size",
+        "max_running_requests",
+        "sim_profile",
+        "profile",
+    )
+    return {k: info[k] for k in keys if info.get(k) is not None} or None
+
+
 def scale_record(rec: RequestRecord, origin: float, scale: float) -> RequestRecord:
     """Map a record's wall times onto modelled time: origin + (t - origin) / scale."""
     if scale == 1.0:
@@ -380,12 +400,11 @@ class Sweep:
                 outcome.error = str(exc)
                 return outcome
             metadata.update(
-                target={
-                    "url": target.url,
-                    "api": target.api,
-                    "stream": target.stream,
-                    "model": self.config.model,
-                },
+                target=target.url,
+                model=self.config.model,
+                api=target.api,
+                stream=target.stream,
+                server=_server_summary(info),
                 server_info=info,
                 workload=self.config.describe(),
                 time_scale=opts.time_scale,

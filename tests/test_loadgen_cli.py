@@ -50,7 +50,7 @@ def test_sweep_writes_results_csv_and_payloads(fake, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     result = RunResult.load(out)
     assert [lv.concurrency for lv in result.levels] == [1, 3]
-    assert result.metadata["target"]["model"] == "fake-model"  # from /v1/models
+    assert result.metadata["model"] == "fake-model"  # from /v1/models
     assert result.metadata["workload"]["input_len"] == "uniform:4-8"
     assert "t_wall_offset" in result.metadata
     assert result.records and all(r.ok and r.completion_tokens == 5 for r in result.records)
