@@ -238,6 +238,12 @@ def merge_runs(
             raise ResultsError(f"{name} has no per-request records (it was saved without them)")
         if not isinstance(run.metadata.get("t_wall_offset"), int | float):
             raise ResultsError(f"{name} has no metadata.t_wall_offset; cannot align clocks")
+        scale = run.metadata.get("time_scale", 1.0)
+        if scale not in (None, 1, 1.0):
+            raise ResultsError(
+                f"{name} reports modelled time (--time-scale {scale:g}); "
+                "only runs on the wall clock can be merged"
+            )
         if any(level.repeats > 1 for level in run.levels):
             raise ResultsError(f"{name} combines --repeat runs; merge runs made without --repeat")
     first = runs[0]

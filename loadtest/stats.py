@@ -463,9 +463,9 @@ def combine_repeats(summaries: Sequence[LevelSummary]) -> LevelSummary:
     """K repetitions of one level -> one summary of per-metric medians, with their spread.
 
     Every numeric metric (including each percentile) becomes the median over repetitions;
-    `spread[path]` holds its min, quartiles and max. Window, span, SLO and the first
-    repetition's self-checks are kept from the first repetition; `selfcheck["repeats"]`
-    holds all of them.
+    `spread[path]` holds its min, quartiles and max. The window and SLO are the first
+    repetition's, the span covers all of them, and `selfcheck["repeats"]` holds every
+    repetition's self-checks (the first one's keys stay at the top level).
     """
     if not summaries:
         raise ValueError("no repetitions to combine")
@@ -502,6 +502,9 @@ def combine_repeats(summaries: Sequence[LevelSummary]) -> LevelSummary:
                 "q3": percentile(nums, 0.75),
                 "max": nums[-1],
             }
+    spans = [s.span for s in summaries if s.span is not None]
+    if spans:  # the level's records are those of every repetition
+        combined["span"] = [min(a for a, _ in spans), max(b for _, b in spans)]
     combined["repeats"] = len(summaries)
     combined["spread"] = spread
     combined["selfcheck"] = {

@@ -324,3 +324,10 @@ def test_cli_plot_writes_png(tmp_path):
     png2 = tmp_path / "cmp.png"
     assert main(["compare", str(path), str(path), "--plot", str(png2)]) == 0
     assert png2.stat().st_size > 0
+
+
+def test_merge_refuses_modelled_time():
+    a, b = make_run((1,)), make_run((1,))
+    b.metadata["time_scale"] = 0.01
+    with pytest.raises(ResultsError, match="modelled time"):
+        merge_runs([a, b])
