@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import orjson
+from conftest import free_port
 
 from loadtest.sim.faults import FaultConfig, Faults
 from loadtest.sim.profiles import load_profile
 from loadtest.sim.server import SimBackend, serve
-from conftest import free_port
 
 FAST = 0.01  # wall seconds per modelled second: TP8's ~37 ms/token becomes ~0.4 ms
 
@@ -64,8 +64,8 @@ def sse_json(raw: bytes) -> list[dict]:
     return [orjson.loads(p) for p in payloads[:-1]]
 
 
-async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.01) -> None:
+async def wait_until(predicate, limit_s: float = 5.0) -> None:
     """Poll until predicate() is true (bounded; not a timing assertion)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(interval)
+    async with asyncio.timeout(limit_s):
+        while not predicate():  # noqa: ASYNC110 - the state lives in the engine
+            await asyncio.sleep(0.005)

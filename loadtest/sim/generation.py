@@ -101,14 +101,18 @@ class Generation:
     _closed: bool = False
 
     def submit(self) -> None:
-        self._stream = self.backend.engine.submit(
-            GenRequest(
-                rid=self.rid,
-                prompt_tokens=self.prompt_tokens,
-                max_new_tokens=self.max_new_tokens,
-                ignore_eos=self.ignore_eos,
+        """Queue in the engine; ``RequestError`` if the rid is already live there."""
+        try:
+            self._stream = self.backend.engine.submit(
+                GenRequest(
+                    rid=self.rid,
+                    prompt_tokens=self.prompt_tokens,
+                    max_new_tokens=self.max_new_tokens,
+                    ignore_eos=self.ignore_eos,
+                )
             )
-        )
+        except ValueError as exc:
+            raise RequestError(f"Duplicate request id {self.rid!r}: {exc}") from None
 
     @property
     def completion_tokens(self) -> int:

@@ -168,6 +168,15 @@ class GenerateStream:
     def closing(self, include_usage: bool) -> list[bytes]:
         return [DONE_EVENT]
 
+    def reject(self, finish: dict) -> web.Response:
+        return _reject(finish)
+
+
+def _reject(finish: dict) -> web.Response:
+    code = int(finish["status_code"])
+    message = finish.get("message") or "Abort"
+    return generate_error(message, 400) if code == 400 else http_exception(code, message)
+
 
 async def generate(request: web.Request) -> web.StreamResponse:
     body, err = await read_json(request)
@@ -185,15 +194,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if decision.fate == "error":
         return generate_error("Injected fault: server error", decision.status)
     try:
-        for g in gens:
-            g.submit()
+        try:
+            for g in gens:
+                g.submit()
+        except RequestError as exc:
+            return generate_error(str(exc))
         if stream:
             return await StreamWriter(request, gens, decision).run(GenerateStream(gens, single))
         await asyncio.gather(*(g.run_to_end() for g in gens))
         for g in gens:
             f = g.finish or {}
             if f.get("type") == "abort" and f.get("status_code"):
-                return http_exception(f["status_code"], f.get("message") or "Abort")
+                return _reject(f)
             g.mark_write(g.completion_tokens)
         outs = [_output(g) for g in gens]
         return json_response(outs[0] if single else outs)
@@ -276,7 +288,7 @@ def server_args(backend) -> dict:
         "tp_size": p.tp_size,
         "pp_size": p.pp_size,
         "ep_size": p.ep_size,
-        "dp_size": 1,
+        "dp_size": p.dp_size,
         "context_length": p.context_length,
         "max_running_requests": p.max_running_requests,
         "max_total_tokens": p.max_total_tokens,
@@ -315,22 +327,10 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 async def get_load(request: web.Request) -> web.Response:
-    """One entry per DP rank (the simulator has one), from the engine's true current state."""
-    live = request.app["backend"].engine.live_stats()
-    running = int(stat(live, "num_running_reqs"))
-    waiting = int(stat(live, "num_queue_reqs"))
-    num_tokens = int(stat(live, "num_used_tokens")) + int(stat(live, "num_queue_tokens"))
-    return json_response(
-        [
-            {
-                "dp_rank": 0,
-                "num_reqs": running + waiting,
-                "num_waiting_reqs": waiting,
-                "num_tokens": num_tokens,
-                "ts_tic": time.perf_counter(),
-            }
-        ]
-    )
+    """One entry per DP rank, from the engine's true current state."""
+    rows = request.app["backend"].engine.get_load()
+    tic = time.perf_counter()
+    return json_response([{**row, "ts_tic": tic} for row in rows])
 
 
 async def abort_request(request: web.Request) -> web.Response:

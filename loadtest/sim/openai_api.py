@@ -185,6 +185,10 @@ async def _serve(
     )
     model = req.model or backend.model_name
     try:
+        try:
+            gen.submit()
+        except RequestError as exc:
+            return openai_error(str(exc))
         if req.stream:
             opts = req.stream_options or StreamOptions()
             shaper = ChatStream(gen, model) if api == "chat" else CompletionStream(gen, model)
@@ -194,7 +198,7 @@ async def _serve(
         await gen.run_to_end()
         finish = gen.finish or {}
         if finish.get("type") == "abort" and finish.get("status_code"):
-            return http_exception(finish["status_code"], finish.get("message") or "Abort")
+            return _reject(finish)
         gen.mark_write(gen.completion_tokens)
         body = _chat_response(gen, model) if api == "chat" else _completion_response(gen, model)
         return json_response(body)
@@ -268,6 +272,14 @@ def _completion_response(gen: Generation, model: str) -> dict:
     }
 
 
+def _reject(finish: dict) -> web.Response:
+    code = int(finish["status_code"])
+    message = finish.get("message") or "Abort"
+    if code == 400:
+        return openai_error(message)
+    return http_exception(code, message)
+
+
 def _stream_error(finish: dict) -> bytes:
     code = int(finish["status_code"])
     body = openai_error_body(
@@ -302,6 +314,9 @@ class ChatStream:
 
     def opening(self) -> list[bytes]:
         return [sse(self._chunk({"role": "assistant", "content": ""}))]
+
+    def reject(self, finish: dict) -> web.Response:
+        return _reject(finish)
 
     def content(self, step: Step, usage: dict | None, index: int = 0) -> bytes | None:
         if not step.text and not step.token_ids:
@@ -362,6 +377,9 @@ class CompletionStream:
 
     def opening(self) -> list[bytes]:
         return []
+
+    def reject(self, finish: dict) -> web.Response:
+        return _reject(finish)
 
     def content(self, step: Step, usage: dict | None, index: int = 0) -> bytes | None:
         finish = step.finish

@@ -105,7 +105,8 @@ class _PrefaceFilter(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
             record.msg = "rejected a request that is not HTTP/1.x (%s); answered 400"
-            record.args = (getattr(exc, "message", None) or type(exc).__name__,)
+            detail = str(getattr(exc, "message", None) or type(exc).__name__)
+            record.args = (detail.splitlines()[0].rstrip(":"),)
             record.exc_info = None
             record.exc_text = None
             record.levelno, record.levelname = logging.INFO, "INFO"

@@ -25,6 +25,7 @@ class Shaper(Protocol):
     def opening(self) -> list[bytes]: ...
     def content(self, step: Step, usage: dict | None, index: int = 0) -> bytes | None: ...
     def closing(self, include_usage: bool) -> list[bytes]: ...
+    def reject(self, finish: dict) -> web.Response: ...
 
 
 def running_usage(gen: Generation) -> dict:
@@ -52,6 +53,10 @@ class StreamWriter:
     ) -> web.StreamResponse:
         async with _merged(self.gens) as steps:
             item = await _next(steps)
+            if item is not None and _rejected(item[1]):
+                # refused before any token (e.g. the prompt cannot fit the KV pool): like
+                # SGLang's kick-started generator, answer an error instead of HTTP 200
+                return shaper.reject(item[1].finish)
             resp = web.StreamResponse(headers=SSE_HEADERS)
             await resp.prepare(self.request)
             for data in shaper.opening():
@@ -83,6 +88,11 @@ class StreamWriter:
         if transport is not None:
             transport.abort()  # drop: cut the connection mid-stream
         return True
+
+
+def _rejected(step: Step) -> bool:
+    f = step.finish
+    return bool(f and f.get("type") == "abort" and f.get("status_code") and not step.token_ids)
 
 
 async def _next(steps: AsyncIterator[tuple[int, Step]]) -> tuple[int, Step] | None:
