@@ -1,0 +1,98 @@
+"""``/admin/*``: list, add, drain, undrain and remove backends; inspect the queue.
+
+Auth: with ``server.admin_key`` set every admin route needs ``Authorization: Bearer <key>``;
+without it the read-only routes are open and the mutating ones answer 403.
+
+    GET    /admin/backends                 every backend with state, in flight, limit, stats
+    GET    /admin/backends/{name}
+    POST   /admin/backends                 {"url": ..., "name"?, "parallelism"?, "pp_size"?, ...}
+    POST   /admin/backends/{name}/drain    no new requests; streams in flight continue
+    POST   /admin/backends/{name}/undrain  back to probing -> healthy
+    DELETE /admin/backends/{name}          drain, then forget once its last request ended
+    GET    /admin/queue                    the admission queue's state
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import orjson
+from aiohttp import web
+from pydantic import ValidationError
+
+from proxy.errors import JSON, error_response
+from proxy.settings import BackendSettings, _first_error
+
+if TYPE_CHECKING:
+    from proxy.app import Proxy
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type=JSON)
+
+
+class Admin:
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        method = request.method
+        parts = [p for p in request.path.split("/") if p][1:]  # after "admin"
+        mutating = method not in ("GET", "HEAD")
+        if not self.proxy.admin_allowed(request, mutating):
+            if self.proxy._admin_key is None:
+                return error_response(
+                    403, "admin API is read-only: set server.admin_key", "admin_disabled"
+                )
+            return error_response(401, "invalid or missing admin key", "invalid_admin_key")
+        pool = self.proxy.pool
+        if parts == ["queue"] and method == "GET":
+            return _json(self.proxy.admission.snapshot())
+        if not parts or parts[0] != "backends":
+            return error_response(404, f"no admin route {request.path}", "not_found")
+        if len(parts) == 1:
+            if method == "GET":
+                return _json({"backends": [b.describe() for b in pool.all()]})
+            if method == "POST":
+                return await self._add(request)
+            return self._no_method(method)
+        name = parts[1]
+        if pool.get(name) is None:
+            return error_response(404, f"no backend named {name!r}", "backend_not_found")
+        if len(parts) == 2:
+            if method == "GET":
+                return _json(pool.get(name).describe())  # type: ignore[union-attr]
+            if method == "DELETE":
+                b = pool.remove(name)
+                return _json({"removed": name, "in_flight": b.in_flight}, 202)
+            return self._no_method(method)
+        if len(parts) == 3 and method == "POST":
+            if parts[2] == "drain":
+                return _json(pool.drain(name).describe())
+            if parts[2] == "undrain":
+                b = pool.undrain(name)
+                if self.proxy.health is not None:
+                    self.proxy.health.kick()
+                return _json(b.describe())
+        return error_response(404, f"no admin route {method} {request.path}", "not_found")
+
+    async def _add(self, request: web.BaseRequest) -> web.Response:
+        try:
+            data = orjson.loads(await request.read())
+            settings = BackendSettings.model_validate(data)
+        except orjson.JSONDecodeError as e:
+            return error_response(400, f"body is not valid JSON: {e}", "invalid_json")
+        except ValidationError as e:
+            return error_response(400, f"invalid backend: {_first_error(e)}", "invalid_backend")
+        try:
+            self.proxy.settings.backend_limits(settings)
+        except ValueError as e:
+            return error_response(400, str(e), "invalid_backend")
+        if settings.name in self.proxy.pool:
+            return error_response(409, f"backend {settings.name!r} exists", "backend_exists")
+        b = self.proxy.pool.add(settings)
+        return _json(b.describe(), 201)
+
+    @staticmethod
+    def _no_method(method: str) -> web.Response:
+        return error_response(405, f"method {method} not allowed here", "method_not_allowed")

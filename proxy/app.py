@@ -1,0 +1,481 @@
+"""The proxy's HTTP front: routes, auth, body limits, and the server around them.
+
+One catch-all handler dispatches on the path with a dict lookup (no router, no middlewares
+on the hot path). SGLang's generation routes go through admission (the queue and the
+per-backend limits); every other SGLang route passes through to one routable backend.
+The proxy's own routes: ``/health``, ``/metrics``, ``/v1/models`` and ``/admin/*``.
+Errors the proxy produces itself, including malformed HTTP, are OpenAI-shaped JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import http_exceptions, web
+from aiohttp.web_protocol import RequestHandler
+
+from proxy.admission import Admission, NoHealthyBackend, QueueFull, QueueTimeout
+from proxy.backends import Backend, BackendPool, State, default_limit_factory
+from proxy.errors import JSON, error_response
+from proxy.forward import Forwarder
+from proxy.health import Health
+from proxy.metrics import CONTENT_TYPE, Metrics
+from proxy.policies import make_policy
+from proxy.settings import BackendSettings, Settings
+from proxy.sse import Api
+
+log = logging.getLogger("pipefill")
+
+POST = frozenset({"POST"})
+POST_PUT = frozenset({"POST", "PUT"})
+PASS_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "HEAD"})
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    api: Api | None  # how to read its SSE events (None: relay only)
+    methods: frozenset[str]
+    admitted: bool = True  # goes through the queue and the limits
+
+
+ROUTES: dict[str, Route] = {
+    "/v1/chat/completions": Route("chat", POST),
+    "/v1/completions": Route("completions", POST),
+    "/generate": Route("generate", POST_PUT),
+    "/v1/embeddings": Route(None, POST),
+    "/v1/rerank": Route(None, POST_PUT),
+    "/v1/score": Route(None, POST),
+    "/v1/classify": Route(None, POST),
+    "/v1/responses": Route(None, POST),
+    "/encode": Route(None, POST_PUT),
+    "/classify": Route(None, POST_PUT),
+    "/invocations": Route("chat", POST),
+}
+OWN = frozenset({"/health", "/metrics", "/v1/models"})
+
+
+class _DirectLease:
+    """Pass-through routes (model info, loads, ...) bypass the queue and hold no slot."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def release(self) -> None:
+        pass
+
+
+class Proxy:
+    """State and request handling of one proxy instance (no sockets: see ProxyServer)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        srv = settings.server
+        self.pool = BackendPool(lambda b: default_limit_factory(self.settings.backend_limits(b), b))
+        self.metrics = Metrics(self.pool.all)
+        self.policy = make_policy(settings.routing)
+        self.admission = Admission.from_settings(
+            self.pool, self.policy, settings.queue, probe_in_flight=settings.routing.probe_in_flight
+        )
+        self.pool.listeners.append(lambda _b: self.admission.wake())
+        for b in settings.backends:
+            self.pool.add(b)
+        self.session: aiohttp.ClientSession | None = None
+        self.health: Health | None = None
+        self.forwarder: Forwarder | None = None
+        self.draining = False
+        self._tasks: list[asyncio.Task] = []
+        self._rr = itertools.count()
+        self._api_keys = [k.encode() for k in srv.api_keys]
+        self._batch_keys = [k.encode() for k in settings.queue.batch_api_keys]
+        self._admin_key = srv.admin_key.encode() if srv.admin_key else None
+        self._priority_header = settings.queue.priority_header
+        self._rid_header = srv.request_id_header
+        self._max_body = srv.max_body_bytes
+        from proxy.admin import Admin
+
+        self.admin = Admin(self)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        connector = aiohttp.TCPConnector(
+            limit=s.upstream.max_connections,
+            limit_per_host=s.upstream.max_connections_per_backend,
+            keepalive_timeout=s.upstream.keepalive_s,
+            ttl_dns_cache=300,
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.timeouts.connect_s),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent",),
+        )
+        self.health = Health(self.pool, s.health, self.session, self.metrics)
+        self.pool.listeners.append(lambda b: b is not None and self.health.kick())  # type: ignore[union-attr]
+        self.forwarder = Forwarder(s, self.pool, self.health, self.metrics, self.session)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(s.health.timeout_s):
+                await self.health.check_all()
+        self.health.start()
+        self.admission.start()
+        self._tasks.append(asyncio.create_task(self._lag_loop(), name="pipefill-lag"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        if self.health is not None:
+            await self.health.stop()
+        await self.admission.close()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _lag_loop(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.25)
+            self.metrics.loop_lag.observe(max(time.monotonic() - t - 0.25, 0.0))
+
+    def reload_backends(self, backends: list[BackendSettings]) -> dict[str, list[str]]:
+        """Make the pool match ``backends`` (SIGHUP): new ones are added, missing ones drain
+        and leave when idle, changed ones are replaced. Streams in flight are not touched."""
+        wanted = {b.name: b for b in backends}
+        added, removed, changed = [], [], []
+        for name in self.pool.names():
+            current = self.pool.get(name)
+            want = wanted.get(name)
+            if want is None:
+                self.pool.remove(name)
+                removed.append(name)
+            elif current is not None and current.settings != want:
+                self.pool.remove(name)
+                self.pool.add(want)
+                changed.append(name)
+        for name, want in wanted.items():
+            if name not in self.pool:
+                self.pool.add(want)
+                added.append(name)
+        log.warning("backends reloaded: added %s, removed %s, changed %s", added, removed, changed)
+        return {"added": added, "removed": removed, "changed": changed}
+
+    # ---- request handling ------------------------------------------------------------
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        t_arrive = time.monotonic()
+        path = request.path
+        route = ROUTES.get(path)
+        if route is None:
+            if path in OWN:
+                return await self._own(request, path)
+            if path.startswith("/admin/") or path == "/admin":
+                return await self.admin.handle(request)
+        rid = request.headers.get(self._rid_header) or os.urandom(12).hex()
+        label = path if route is not None else "other"
+        method = request.method
+        if route is not None and method not in route.methods:
+            return self._reject(
+                405,
+                f"method {method} not allowed on {path}",
+                "method_not_allowed",
+                label,
+                rid,
+                allow=", ".join(sorted(route.methods)),
+            )
+        if route is None and method not in PASS_METHODS:
+            return self._reject(
+                405,
+                f"method {method} not supported",
+                "method_not_allowed",
+                label,
+                rid,
+                allow=", ".join(sorted(PASS_METHODS)),
+            )
+        key = self._client_key(request)
+        if self._api_keys and not _key_in(key, self._api_keys):
+            return self._reject(
+                401,
+                "invalid or missing API key (Authorization: Bearer ...)",
+                "invalid_api_key",
+                label,
+                rid,
+            )
+        body: bytes | None = None
+        if request.body_exists:
+            length = request.content_length
+            if length is not None and length > self._max_body:
+                return self._too_large(label, rid)
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return self._too_large(label, rid)
+            if route is not None and body:
+                bad = _json_problem(body)
+                if bad:
+                    return self._reject(400, bad, "invalid_json", label, rid)
+        if route is not None and not body:
+            return self._reject(
+                400, "request body must be a JSON object", "invalid_json", label, rid
+            )
+        if self.settings.server.log_prompts and body:
+            log.info(
+                "request %s %s %s body=%s", rid, method, path, body[:4096].decode(errors="replace")
+            )
+        if route is not None and route.admitted:
+            priority = self._priority(request, key)
+
+            def acquire(exclude: frozenset[str]) -> Any:
+                return self.admission.acquire(priority, exclude)
+        else:
+            acquire = self._direct_acquire
+        return await self.forwarder.forward(  # type: ignore[union-attr]
+            request,
+            body,
+            route=label,
+            api=route.api if route else None,
+            acquire=acquire,
+            request_id=rid,
+            t_arrive=t_arrive,
+            on_reject=self._admission_error,
+        )
+
+    async def _direct_acquire(self, exclude: frozenset[str]) -> _DirectLease:
+        cands = [b for b in self.pool.routable() if b.name not in exclude]
+        healthy = [b for b in cands if b.state is State.HEALTHY] or cands
+        if not healthy:
+            raise NoHealthyBackend()
+        return _DirectLease(healthy[next(self._rr) % len(healthy)])
+
+    def _admission_error(self, e: BaseException) -> web.Response | None:
+        if isinstance(e, QueueFull):
+            self.metrics.rejections.labels("queue_full").inc()
+            return error_response(
+                429,
+                "the proxy's queue is full; retry later",
+                "queue_full",
+                headers={"Retry-After": str(e.retry_after)},
+            )
+        if isinstance(e, QueueTimeout):
+            self.metrics.rejections.labels("queue_timeout").inc()
+            return error_response(503, "timed out waiting for a free backend slot", "queue_timeout")
+        if isinstance(e, NoHealthyBackend):
+            self.metrics.rejections.labels("no_healthy_backend").inc()
+            return error_response(503, "no healthy backend", "no_healthy_backend")
+        return None
+
+    def _client_key(self, request: web.BaseRequest) -> bytes | None:
+        auth = request.headers.get("Authorization")
+        if auth and auth[:7].lower() == "bearer ":
+            return auth[7:].strip().encode()
+        return None
+
+    def _priority(self, request: web.BaseRequest, key: bytes | None) -> str:
+        value = request.headers.get(self._priority_header)
+        if value:
+            return "batch" if value.strip().lower() == "batch" else "interactive"
+        if key is not None and self._batch_keys and _key_in(key, self._batch_keys):
+            return "batch"
+        return "interactive"
+
+    def _reject(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        route: str,
+        rid: str,
+        *,
+        allow: str | None = None,
+    ) -> web.Response:
+        headers = {self._rid_header: rid}
+        if allow:
+            headers["Allow"] = allow
+        self.metrics.rejections.labels(code).inc()
+        self.metrics.requests.labels("none", route, str(status)).inc()
+        return error_response(status, message, code, headers=headers)
+
+    def _too_large(self, route: str, rid: str) -> web.Response:
+        resp = self._reject(
+            413, f"request body larger than {self._max_body} bytes", "body_too_large", route, rid
+        )
+        resp.force_close()  # the rest of the body is not read
+        return resp
+
+    # ---- the proxy's own routes ------------------------------------------------------
+
+    async def _own(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            return error_response(
+                405,
+                f"method {request.method} not allowed on {path}",
+                "method_not_allowed",
+                headers={"Allow": "GET, HEAD"},
+            )
+        if path == "/health":
+            return self._health()
+        if path == "/metrics":
+            if (
+                not self.settings.server.metrics_public
+                and self._api_keys
+                and not _key_in(self._client_key(request), self._api_keys)
+            ):
+                return error_response(401, "invalid or missing API key", "invalid_api_key")
+            return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        if self._api_keys and not _key_in(self._client_key(request), self._api_keys):
+            return error_response(401, "invalid or missing API key", "invalid_api_key")
+        return await self._models(request)
+
+    def _health(self) -> web.Response:
+        backends = self.pool.all()
+        healthy = sum(1 for b in backends if b.state is State.HEALTHY)
+        body = {"status": "ok", "healthy_backends": healthy, "backends": len(backends)}
+        if self.draining:
+            return error_response(503, "shutting down", "shutting_down")
+        if healthy == 0:
+            return error_response(503, "no healthy backend", "no_healthy_backend")
+        return web.Response(body=orjson.dumps(body), content_type=JSON)
+
+    async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
+        models: dict[str, dict] = {}
+        for b in self.pool.all():
+            if b.state is State.HEALTHY:
+                for m in b.models:
+                    models.setdefault(m["id"], m)
+        if not models:
+            return error_response(
+                503, "no healthy backend has reported its models", "no_healthy_backend"
+            )
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": list(models.values())}), content_type=JSON
+        )
+
+    def admin_allowed(self, request: web.BaseRequest, mutating: bool) -> bool:
+        key = self._client_key(request)
+        if self._admin_key is None:
+            return not mutating
+        return key is not None and hmac.compare_digest(key, self._admin_key)
+
+
+def _key_in(key: bytes | None, keys: list[bytes]) -> bool:
+    if key is None:
+        return False
+    found = False
+    for k in keys:
+        found |= hmac.compare_digest(key, k)
+    return found
+
+
+def _json_problem(body: bytes) -> str | None:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        return f"request body is not valid JSON: {e}"
+    if not isinstance(obj, dict):
+        return "request body must be a JSON object"
+    return None
+
+
+# ---- the server ---------------------------------------------------------------------------
+
+
+class _Handler(RequestHandler):
+    """aiohttp's protocol handler, answering malformed HTTP with OpenAI-shaped errors."""
+
+    def handle_error(self, request, status=500, exc=None, message=None):  # type: ignore[override]
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started")
+        if status >= 500:
+            self.log_exception("error handling request", exc_info=exc)
+            resp = error_response(500, "internal proxy error", "internal_error")
+        else:
+            text = "malformed request"
+            code = "bad_request"
+            if (
+                isinstance(exc, http_exceptions.LineTooLong)
+                or "too many headers" in str(message or exc).lower()
+                or "too long" in str(message or exc).lower()
+            ):
+                status, text, code = 431, "request headers too large", "headers_too_large"
+            elif isinstance(exc, http_exceptions.BadHttpMethod):
+                status, text, code = 405, "unsupported HTTP method", "method_not_allowed"
+            elif exc is not None:
+                text = f"malformed request: {getattr(exc, 'message', None) or type(exc).__name__}"
+            resp = error_response(status, text, code)
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    def __init__(self, handler: Any, *, max_body: int, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self._max_body = max_body
+
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+    def _make_request(self, message, payload, protocol, writer, task):  # type: ignore[override]
+        return web.BaseRequest(
+            message, payload, protocol, writer, task, self._loop, client_max_size=self._max_body
+        )
+
+
+class ProxyServer:
+    """A Proxy bound to a socket. ``await start()``, then ``await stop(grace)``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.proxy = Proxy(settings)
+        self._runner: web.ServerRunner | None = None
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        s = self.settings.server
+        await self.proxy.start()
+        server = _Server(
+            self.proxy.handle,
+            max_body=s.max_body_bytes,
+            handler_cancellation=True,  # a client that leaves cancels its upstream at once
+            max_line_size=s.max_header_bytes,
+            max_field_size=s.max_header_bytes,
+            max_headers=s.max_headers,
+            access_log=None,
+        )
+        self._runner = web.ServerRunner(server, shutdown_timeout=s.shutdown_grace_s)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((s.host, s.port))
+        site = web.SockSite(self._runner, sock, backlog=2048)
+        await site.start()
+        self.port = sock.getsockname()[1]
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting, let requests in flight finish for up to ``grace`` s, then close."""
+        self.proxy.draining = True
+        if self._runner is not None:
+            if grace is not None:
+                self._runner._shutdown_timeout = grace
+            await self._runner.cleanup()
+            self._runner = None
+        await self.proxy.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.server.host}:{self.port}"

@@ -1,0 +1,535 @@
+"""Forwarding one request upstream: retries before the first byte, streaming pass-through after.
+
+The request path, as a few named steps::
+
+    lease = await acquire(exclude)        # admission: a backend with a free slot (late binding)
+    result = await attempt(lease.backend)  # upstream exchange, relayed chunk by chunk
+    lease.release()
+    failed before any byte reached the client?  -> exclude that backend, back off, acquire again
+
+Streamed bytes are written to the client exactly as they arrive (never re-encoded); SSE events
+are only peeked at (proxy/sse.py) to time TTFT and inter-token gaps and to read usage, which land
+in ``backend.stats``. Timeouts: connect (aiohttp), first byte (request sent -> headers), idle gap
+between chunks and total, the last two enforced by one lazily rescheduled timer per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.backends import Backend, BackendPool
+from proxy.errors import JSON, error_response, sse_error
+from proxy.health import Health
+from proxy.metrics import Metrics
+from proxy.settings import Settings
+from proxy.sse import Api, SSEFramer, TokenCounter
+
+log = logging.getLogger("pipefill.forward")
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "expect",
+    }
+)
+_STALE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+class Lease:
+    """What admission hands out: a backend with a slot held until ``release()``."""
+
+    backend: Backend
+
+    def release(self) -> None: ...
+
+
+Acquire = Callable[[frozenset[str]], Awaitable[Any]]
+
+
+@dataclass(slots=True)
+class Failure:
+    """An attempt that failed before any byte reached the client."""
+
+    kind: str  # label of pipefill_upstream_errors
+    status: int
+    message: str
+    code: str
+    retryable: bool
+    upstream: tuple[int, CIMultiDict, bytes] | None = None  # the backend's own error response
+
+    def response(self, headers: dict[str, str]) -> web.Response:
+        if self.upstream is not None:
+            status, up_headers, body = self.upstream
+            up_headers.update(headers)
+            return web.Response(status=status, body=body, headers=up_headers)
+        return error_response(self.status, self.message, self.code, headers=headers)
+
+
+class UpstreamError(Exception):
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class _Watchdog:
+    """Idle-gap and total deadlines of one upstream response, for the price of one timer.
+
+    The timer is rescheduled only when it fires (``last`` is a plain attribute write per
+    chunk). On expiry the response's stream gets an UpstreamError and the connection is closed,
+    which wakes the pending read.
+    """
+
+    __slots__ = ("deadline", "fired", "handle", "idle", "last", "loop", "resp")
+
+    def __init__(self, resp: aiohttp.ClientResponse, idle: float, deadline: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.resp = resp
+        self.idle = idle
+        self.deadline = deadline
+        self.last = time.monotonic()
+        self.fired: str | None = None
+        self.handle = self.loop.call_later(min(idle, deadline - self.last), self._check)
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        if now >= self.deadline:
+            self.fired = "total_timeout"
+        elif now - self.last >= self.idle:
+            self.fired = "idle_timeout"
+        else:
+            delay = min(self.last + self.idle, self.deadline) - now
+            self.handle = self.loop.call_later(delay, self._check)
+            return
+        self.resp.content.set_exception(UpstreamError(self.fired))
+        self.resp.close()
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
+class Forwarder:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: BackendPool,
+        health: Health,
+        metrics: Metrics,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.health = health
+        self.metrics = metrics
+        self.session = session
+        self._t = settings.timeouts
+        self._r = settings.retries
+        self._retry_statuses = frozenset(settings.retries.retry_statuses)
+        self._backend_header = settings.server.backend_header
+        self._rid_header = settings.server.request_id_header
+        self._strip_auth = bool(settings.server.api_keys)
+
+    # ---- the retry loop ----------------------------------------------------------------
+
+    async def forward(
+        self,
+        request: web.BaseRequest,
+        body: bytes | None,
+        *,
+        route: str,
+        api: Api | None,
+        acquire: Acquire,
+        request_id: str,
+        t_arrive: float,
+        on_reject: Callable[[BaseException], web.Response | None],
+    ) -> web.StreamResponse:
+        """``acquire(exclude)`` returns a lease or raises (``on_reject`` turns that into a
+        response, or returns None to re-raise)."""
+        rid_headers = {self._rid_header: request_id}
+        excluded: set[str] = set()
+        last: Failure | None = None
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                lease = await acquire(frozenset(excluded))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if last is not None:  # every other backend is gone too: report the real error
+                    return self._finish_failure(last, route, rid_headers)
+                resp = on_reject(e)
+                if resp is None:
+                    raise
+                resp.headers.update(rid_headers)
+                self.metrics.requests.labels("none", route, str(resp.status)).inc()
+                return resp
+            backend = lease.backend
+            try:
+                result = await self._attempt(
+                    request,
+                    body,
+                    backend,
+                    api=api,
+                    route=route,
+                    request_id=request_id,
+                    t_arrive=t_arrive,
+                )
+            finally:
+                lease.release()
+                if backend.removing:
+                    self.pool.reap(backend)
+            if not isinstance(result, Failure):
+                return result
+            last = result
+            excluded.add(backend.name)
+            if not result.retryable or attempt >= self._r.max_attempts:
+                return self._finish_failure(result, route, rid_headers, backend)
+            self.metrics.retries.labels(result.kind).inc()
+            delay = min(self._r.backoff_max_s, self._r.backoff_base_s * 2 ** (attempt - 1))
+            if delay > 0:
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+
+    def _finish_failure(
+        self, f: Failure, route: str, headers: dict[str, str], backend: Backend | None = None
+    ) -> web.Response:
+        if backend is not None:
+            headers = {**headers, self._backend_header: backend.name}
+        resp = f.response(headers)
+        name = backend.name if backend is not None else "none"
+        self.metrics.requests.labels(name, route, str(resp.status)).inc()
+        return resp
+
+    # ---- one attempt -------------------------------------------------------------------
+
+    def _upstream_headers(self, request: web.BaseRequest, b: Backend, rid: str) -> CIMultiDict:
+        src = request.headers
+        drop = HOP_BY_HOP
+        connection = src.get("Connection")
+        if connection:
+            drop = drop | {t.strip().lower() for t in connection.split(",")}
+        out: CIMultiDict = CIMultiDict()
+        for k, v in src.items():
+            if k.lower() not in drop:
+                out.add(k, v)
+        if b.api_key:
+            out["Authorization"] = f"Bearer {b.api_key}"
+        elif self._strip_auth:
+            out.popall("Authorization", None)
+        out[self._rid_header] = rid
+        peer = request.remote
+        if peer:
+            prior = src.get("X-Forwarded-For")
+            out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+        return out
+
+    async def _attempt(
+        self,
+        request: web.BaseRequest,
+        body: bytes | None,
+        b: Backend,
+        *,
+        api: Api | None,
+        route: str,
+        request_id: str,
+        t_arrive: float,
+    ) -> web.StreamResponse | Failure:
+        headers = self._upstream_headers(request, b, request_id)
+        url = b.url + request.raw_path
+        t_send = time.monotonic()
+        deadline = t_send + self._t.total_s
+        bm = self.metrics.backend(b.name)
+        resp: aiohttp.ClientResponse | None = None
+        fresh_retry = True
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(min(self._t.first_byte_s, self._t.total_s)):
+                        resp = await self.session.request(
+                            request.method,
+                            url,
+                            data=body,
+                            headers=headers,
+                            allow_redirects=False,
+                        )
+                    break
+                except _STALE_ERRORS as e:
+                    # A pooled keep-alive connection the server had just closed: retry at
+                    # once on a fresh connection (once), without blaming the backend.
+                    if fresh_retry and _maybe_stale(e):
+                        fresh_retry = False
+                        self.metrics.retries.labels("stale_connection").inc()
+                        continue
+                    raise
+        except asyncio.CancelledError:
+            bm.disconnects.inc()
+            raise
+        except aiohttp.ConnectionTimeoutError:
+            return self._fail(b, "connect_timeout", 504, "timed out connecting to the backend")
+        except TimeoutError:
+            return self._fail(b, "first_byte_timeout", 504, "upstream sent no response in time")
+        except aiohttp.ClientConnectorError:
+            return self._fail(b, "connect", 502, "could not connect to the backend")
+        except (aiohttp.ClientError, OSError) as e:
+            return self._fail(b, "disconnect", 502, f"backend closed the connection ({e})")
+
+        try:
+            if resp.status in self._retry_statuses:
+                return await self._upstream_5xx(b, resp, deadline)
+            ctype = resp.headers.get("Content-Type", "")
+            if ctype.startswith("text/event-stream"):
+                return await self._stream(
+                    request, resp, b, api, route, request_id, t_arrive, t_send, deadline
+                )
+            return await self._whole(request, resp, b, api, route, request_id, t_arrive, deadline)
+        finally:
+            resp.close() if not resp.closed and not _done(resp) else resp.release()
+
+    def _fail(self, b: Backend, kind: str, status: int, message: str) -> Failure:
+        self.metrics.upstream_errors.labels(b.name, kind).inc()
+        self.health.record_failure(b, kind)
+        b.stats.observe_completion(False, kind)
+        code = "upstream_timeout" if kind.endswith("timeout") else "upstream_error"
+        return Failure(kind, status, f"{message} ({b.name})", code, retryable=True)
+
+    async def _upstream_5xx(
+        self, b: Backend, resp: aiohttp.ClientResponse, deadline: float
+    ) -> Failure:
+        kind = f"http_{resp.status}"
+        try:
+            data = await self._read_all(resp, deadline)
+        except (UpstreamError, aiohttp.ClientError, OSError):
+            data = b""
+        f = self._fail(b, kind, resp.status, f"backend answered {resp.status}")
+        f.upstream = (resp.status, _response_headers(resp.headers), data)
+        return f
+
+    async def _read_all(self, resp: aiohttp.ClientResponse, deadline: float) -> bytes:
+        wd = _Watchdog(resp, self._t.idle_s, deadline)
+        try:
+            return await resp.read()
+        except (aiohttp.ClientError, OSError) as e:
+            raise UpstreamError(wd.fired or "disconnect") from e
+        finally:
+            wd.cancel()
+
+    async def _whole(
+        self,
+        request: web.BaseRequest,
+        resp: aiohttp.ClientResponse,
+        b: Backend,
+        api: Api | None,
+        route: str,
+        request_id: str,
+        t_arrive: float,
+        deadline: float,
+    ) -> web.StreamResponse | Failure:
+        try:
+            data = await self._read_all(resp, deadline)
+        except UpstreamError as e:
+            status = 504 if e.kind.endswith("timeout") else 502
+            return self._fail(b, e.kind, status, "backend failed while sending its response")
+        except asyncio.CancelledError:
+            self.metrics.backend(b.name).disconnects.inc()
+            raise
+        now = time.monotonic()
+        headers = _response_headers(resp.headers)
+        headers[self._backend_header] = b.name
+        headers[self._rid_header] = request_id
+        out = web.Response(status=resp.status, body=data, headers=headers)
+        bm = self.metrics.backend(b.name)
+        ok = resp.status < 500
+        tokens = _usage_tokens(data) if api is not None and resp.status == 200 else None
+        if tokens:
+            bm.tokens.inc(tokens)
+            b.stats.observe_tokens(tokens, now)
+        if ok:
+            self.health.record_success(b)
+        b.stats.observe_completion(
+            ok, None if ok else f"http_{resp.status}", now - t_arrive, output_tokens=tokens
+        )
+        bm.duration.observe(now - t_arrive)
+        self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
+        return out
+
+    async def _stream(
+        self,
+        request: web.BaseRequest,
+        resp: aiohttp.ClientResponse,
+        b: Backend,
+        api: Api | None,
+        route: str,
+        request_id: str,
+        t_arrive: float,
+        t_send: float,
+        deadline: float,
+    ) -> web.StreamResponse | Failure:
+        bm = self.metrics.backend(b.name)
+        stats = b.stats
+        wd = _Watchdog(resp, self._t.idle_s, deadline)
+        content = resp.content
+        monotonic = time.monotonic
+        # Hold the client's headers until the first chunk: a backend that fails before it
+        # can still be retried elsewhere.
+        try:
+            chunk = await content.readany()
+        except asyncio.CancelledError:
+            wd.cancel()
+            bm.disconnects.inc()
+            raise
+        except (UpstreamError, aiohttp.ClientError, OSError):
+            wd.cancel()
+            kind = wd.fired or "disconnect"
+            return self._fail(b, kind, 504 if wd.fired else 502, "backend failed before streaming")
+        headers = _response_headers(resp.headers)
+        headers[self._backend_header] = b.name
+        headers[self._rid_header] = request_id
+        out = web.StreamResponse(status=resp.status, headers=headers)
+        framer = SSEFramer() if api is not None else None
+        counter = TokenCounter(api) if api is not None else None
+        first: float | None = None
+        last_tok = 0.0
+        failure: str | None = None
+        try:
+            await out.prepare(request)
+            write = out.write
+            while chunk:
+                now = wd.last = monotonic()
+                await write(chunk)
+                if framer is not None:
+                    for payload in framer.feed(chunk):
+                        n = counter.observe(payload)  # type: ignore[union-attr]
+                        if n:
+                            if first is None:
+                                first = now
+                                stats.observe_ttft(now - t_send)
+                                bm.ttft.observe(now - t_send)
+                            else:
+                                gap = (now - last_tok) / n
+                                stats.observe_itl(gap, n)
+                                bm.itl.observe(gap)
+                            last_tok = now
+                            stats.observe_tokens(n, now)
+                try:
+                    chunk = await content.readany()
+                except (UpstreamError, aiohttp.ClientError, OSError):
+                    failure = wd.fired or "disconnect"
+                    break
+        except asyncio.CancelledError:
+            bm.disconnects.inc()
+            self._account(b, bm, route, out.status, t_arrive, counter, "client_disconnect")
+            raise
+        except ConnectionError:  # the client went away (write failed)
+            bm.disconnects.inc()
+            self._account(b, bm, route, out.status, t_arrive, counter, "client_disconnect")
+            return out
+        finally:
+            wd.cancel()
+        if failure is not None:
+            self.metrics.upstream_errors.labels(b.name, failure).inc()
+            self.health.record_failure(b, failure)
+            message = {
+                "idle_timeout": "backend stalled mid-stream (idle timeout)",
+                "total_timeout": "request exceeded the total timeout",
+            }.get(failure, "backend connection lost mid-stream")
+            tail = b"\n\n" if framer is not None and framer.pending else b""
+            code = "upstream_timeout" if failure.endswith("timeout") else "upstream_error"
+            status = 504 if failure.endswith("timeout") else 502
+            with contextlib.suppress(ConnectionError):
+                await out.write(tail + sse_error(f"{message} ({b.name})", status=status, code=code))
+        else:
+            self.health.record_success(b)
+        with contextlib.suppress(ConnectionError):
+            await out.write_eof()
+        self._account(b, bm, route, out.status, t_arrive, counter, failure)
+        return out
+
+    def _account(
+        self,
+        b: Backend,
+        bm: Any,
+        route: str,
+        status: int,
+        t_arrive: float,
+        counter: TokenCounter | None,
+        failure: str | None,
+    ) -> None:
+        now = time.monotonic()
+        tokens = None
+        if counter is not None:
+            tokens = counter.completion_tokens or counter.chunk_tokens
+            if tokens:
+                bm.tokens.inc(tokens)
+        if failure != "client_disconnect":  # not the backend's doing: no observation
+            ok = failure is None and (counter is None or counter.error is None)
+            kind = failure or (None if ok else "stream_error")
+            b.stats.observe_completion(ok, kind, now - t_arrive, output_tokens=tokens)
+        bm.duration.observe(now - t_arrive)
+        self.metrics.requests.labels(b.name, route, str(status)).inc()
+
+
+def _maybe_stale(e: BaseException) -> bool:
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return False  # could not connect at all: not a stale pooled connection
+    return True
+
+
+def _done(resp: aiohttp.ClientResponse) -> bool:
+    return resp.content.at_eof()
+
+
+def _response_headers(src: CIMultiDictProxy[str]) -> CIMultiDict:
+    out: CIMultiDict = CIMultiDict()
+    drop = HOP_BY_HOP
+    connection = src.get("Connection")
+    if connection:
+        drop = drop | {t.strip().lower() for t in connection.split(",")}
+    for k, v in src.items():
+        if k.lower() not in drop:
+            out.add(k, v)
+    return out
+
+
+def _usage_tokens(data: bytes) -> int | None:
+    """completion_tokens of a non-streamed OpenAI or /generate response, if it says."""
+    if not data or data[:1] not in (b"{", b"["):
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    total = 0
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        usage = item.get("usage") or item.get("meta_info") or {}
+        n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(n, int):
+            total += n
+    return total or None
+
+
+__all__ = ["JSON", "Failure", "Forwarder", "Lease"]

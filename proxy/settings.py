@@ -1,0 +1,208 @@
+"""Proxy configuration: a TOML file, ``PIPEFILL_*`` environment variables, then CLI flags.
+
+Precedence (highest first): CLI flags > environment (``PIPEFILL_SERVER__PORT=9000``; nested
+sections joined with ``__``; lists such as ``PIPEFILL_BACKENDS`` as JSON) > the TOML file >
+defaults. Every section rejects unknown keys so that a typo fails at start-up, naming the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from proxy.admission import QueueSettings
+from proxy.limits import LimitSettings
+from proxy.policies import RoutingSettings
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="larger bodies get 413")
+    max_header_bytes: int = Field(16 * 1024, gt=0, description="per header line; larger gets 431")
+    max_headers: int = Field(128, gt=0)
+    api_keys: list[str] = Field(
+        default_factory=list, description="client Bearer keys; empty = open"
+    )
+    admin_key: str | None = Field(None, description="Bearer key for /admin/*; unset = read-only")
+    metrics_public: bool = Field(True, description="serve /metrics without a client key")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: time streams may finish")
+    log_prompts: bool = False
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    backend_header: str = "X-Pipefill-Backend"
+    request_id_header: str = "X-Request-ID"
+
+
+class TimeoutSettings(Section):
+    connect_s: float = Field(5.0, gt=0)
+    first_byte_s: float = Field(
+        600.0, gt=0, description="request sent -> response headers (covers queueing + prefill)"
+    )
+    idle_s: float = Field(120.0, gt=0, description="longest gap between two streamed chunks")
+    total_s: float = Field(1800.0, gt=0, description="whole upstream exchange")
+
+
+class RetrySettings(Section):
+    max_attempts: int = Field(3, ge=1, description="backends tried per request, first included")
+    backoff_base_s: float = Field(0.02, ge=0)
+    backoff_max_s: float = Field(0.5, ge=0)
+    retry_statuses: list[int] = Field(default_factory=lambda: [500, 502, 503, 504])
+
+
+class UpstreamSettings(Section):
+    keepalive_s: float = Field(
+        4.0, gt=0, description="idle pooled connection lifetime; SGLang closes at 5 s"
+    )
+    max_connections: int = Field(0, ge=0, description="0 = unlimited")
+    max_connections_per_backend: int = Field(0, ge=0, description="0 = unlimited")
+
+
+class HealthSettings(Section):
+    path: str = Field("/health", description="/health or /health_generate")
+    interval_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(5.0, gt=0)
+    healthy_threshold: int = Field(2, ge=1, description="successes to become healthy again")
+    unhealthy_threshold: int = Field(2, ge=1, description="failed checks to become unhealthy")
+    passive_failures: int = Field(
+        3, ge=1, description="consecutive request failures that eject a backend"
+    )
+    eject_s: float = Field(10.0, gt=0, description="time ejected before a half-open probe")
+
+    @field_validator("path")
+    @classmethod
+    def _slash(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("must start with '/'")
+        return v
+
+
+class BackendSettings(Section):
+    name: str | None = None
+    url: str
+    parallelism: Literal["pp", "tp", "ep"] | None = None
+    pp_size: int | None = Field(None, ge=1)
+    weight: float = Field(1.0, gt=0)
+    api_key: str | None = Field(None, description="Bearer key the backend expects")
+    limits: dict[str, Any] = Field(default_factory=dict, description="overrides of [limits]")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {v!r}")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _default_name(self) -> BackendSettings:
+        if not self.name:
+            parts = urlsplit(self.url)
+            self.name = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        return self
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="PIPEFILL_", env_nested_delimiter="__", extra="forbid", toml_file=None
+    )
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
+    retries: RetrySettings = Field(default_factory=RetrySettings)
+    upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    queue: QueueSettings = Field(default_factory=QueueSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    backends: list[BackendSettings] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Settings:
+        seen: set[str] = set()
+        for b in self.backends:
+            if b.name in seen:
+                raise ValueError(f"backends: duplicate name {b.name!r}")
+            seen.add(b.name)  # type: ignore[arg-type]
+        for b in self.backends:
+            self.backend_limits(b)  # validates per-backend overrides
+        return self
+
+    def backend_limits(self, backend: BackendSettings) -> LimitSettings:
+        """``[limits]`` with a backend's own overrides applied (validated)."""
+        if not backend.limits:
+            return self.limits
+        try:
+            return LimitSettings.model_validate({**self.limits.model_dump(), **backend.limits})
+        except ValidationError as e:
+            raise ValueError(f"backends.{backend.name}.limits: {_first_error(e)}") from None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if settings_cls.model_config.get("toml_file"):
+            sources.append(TomlConfigSettingsSource(settings_cls))
+        return tuple(sources)
+
+
+class ConfigError(Exception):
+    """A one-line, user-facing configuration problem."""
+
+
+def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build settings from file + env + ``overrides`` (CLI values; nested dicts merge).
+
+    Raises ConfigError with a one-line message naming the offending field.
+    """
+    toml_file = None
+    if config is not None:
+        path = Path(config)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        toml_file = path
+
+    class _FileSettings(Settings):
+        model_config = SettingsConfigDict(toml_file=toml_file)
+
+    try:
+        return _FileSettings(**overrides)
+    except ValidationError as e:
+        where = f"{config}: " if config else ""
+        raise ConfigError(f"{where}invalid configuration: {_first_error(e)}") from None
+    except ValueError as e:  # e.g. an env value that is not valid JSON
+        raise ConfigError(f"invalid configuration: {e}") from None
+
+
+def _first_error(e: ValidationError) -> str:
+    errors = e.errors()
+    err = errors[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"]
+    if "input" in err and not isinstance(err["input"], dict | list):
+        msg += f" (got {err['input']!r})"
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc}: {msg}{more}" if loc else f"{msg}{more}"
