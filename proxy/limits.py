@@ -64,6 +64,9 @@ class LimitSettings(BaseModel):
     kv_high: float = Field(
         0.95, gt=0, le=1, description="scraped token_usage at or above this = KV pool full"
     )
+    congestion_memory_s: float = Field(
+        60.0, ge=0, description="after a back-off, climbs stay below the congested level this long"
+    )
     queue_tolerance: float = Field(
         0.0, ge=0, description="scraped num_queue_reqs above this = the backend is queueing"
     )
@@ -108,26 +111,40 @@ class FixedLimit:
     def snapshot(self) -> dict:
         return {"algorithm": self.name, "limit": self._limit, "knee": None}
 
+    describe = snapshot
+
 
 @dataclass(frozen=True, slots=True)
 class Measure:
-    """Token throughput and latency measured at one limit, averaged over a few windows."""
+    """Throughput and latency measured at one limit, averaged over a few windows.
+
+    ``in_flight`` is the backend's total in-flight estimate: the proxy's own time-average plus
+    the requests others sent it (scraped running + queued minus ours, when scraped), and
+    ``tokens_per_s`` the backend's total token rate estimated from ours in the same proportion.
+    Comparing totals keeps two proxies in front of one backend from mistaking a larger share of
+    a saturated backend for more capacity.
+    """
 
     level: int
+    in_flight: float
     tokens_per_s: float
     itl: float | None
     ttft: float | None
     at: float
 
     @staticmethod
-    def of(level: int, windows: list[Window]) -> Measure:
+    def of(level: int, windows: list[Window], external: float = 0.0) -> Measure:
         span = sum(w.duration for w in windows) or 1e-9
         tps = sum(w.tokens for w in windows) / span
+        ours = sum(w.in_flight * w.duration for w in windows) / span
+        total = ours + external
+        if ours > 0:
+            tps *= total / ours
         itls = [(w.itl, w.tokens) for w in windows if w.itl is not None and w.tokens]
         itl = sum(x * n for x, n in itls) / sum(n for _, n in itls) if itls else None
         ttfts = [w.ttft for w in windows if w.ttft is not None]
         ttft = sum(ttfts) / len(ttfts) if ttfts else None
-        return Measure(level, tps, itl, ttft, windows[-1].end)
+        return Measure(level, max(total, 1e-9), tps, itl, ttft, windows[-1].end)
 
 
 def _rose(now: float | None, ref: float | None, tol: float) -> bool:
@@ -142,18 +159,24 @@ class AdaptiveLimit:
     token throughput.
 
     Each level is measured over ``measure_windows`` demand-bound windows (the proxy held the
-    backend at its limit; otherwise the window says nothing about the backend's capacity).
-    Climbing from the start, a step from P to L is kept while throughput grows with elasticity
-    >= ``min_gain`` (a 25% step must add >= 7.5% tokens/s with the defaults); the first step that
-    does not is undone, and P is the knee. At the knee the limit holds and every ``probe_every``
-    measurements probes one small step up or down (alternating): up is kept if it pays, down is
-    kept if the throughput lost is below the same elasticity — so the knee follows the backend
-    both ways. Explicit congestion (scraped queue > tolerance while TTFT rose, KV usage at
-    ``kv_high``, stale metrics, failing requests) backs off multiplicatively at once. A restart
-    or a drift in ITL/TTFT at the held knee starts the search again. Never below ``floor``.
+    backend at its limit; otherwise a window says nothing about capacity). Climbing from the
+    start, a step from P to L is kept while throughput grows with elasticity >= ``min_gain``
+    (with the defaults a 25% step must add >= 7.5% tokens/s); while growth is nearly linear the
+    step doubles (slow start), and an overshoot is refined with the base step below it. The first
+    base step that does not pay is undone: P is the knee. At the knee the limit holds and every
+    ``probe_every`` measurements probes a half step up or down (alternating): up is kept if it
+    pays, down is kept if the throughput lost is below the same elasticity, so the knee follows
+    the backend both ways. Explicit congestion (scraped queue above tolerance while TTFT rose, KV
+    usage at ``kv_high``, stale metrics, failing requests) backs off multiplicatively at once and
+    keeps climbs below the congested level for ``congestion_memory_s``. A restart, or ITL/TTFT
+    drifting at the held knee without more throughput, starts the search again. Never below
+    ``floor``, never above ``max_limit``.
     """
 
     name = "adaptive"
+
+    #: elasticity above which growth counts as linear and the climb step doubles
+    LINEAR = 0.8
 
     def __init__(self, settings: LimitSettings | None = None, *, floor: int = 1) -> None:
         self.s = settings or LimitSettings()
@@ -177,12 +200,16 @@ class AdaptiveLimit:
         self._limit = self._clamp(start)
         self._knee: int | None = None
         self._phase: Phase = "climb"
+        self._step = self.s.step
+        self._doubling = True  # slow start: double the step while growth is linear
         self._ref: Measure | None = None  # measurement at the accepted level
         self._baseline: Measure | None = None  # measurement when the knee was (re)chosen
         self._windows: list[Window] = []
         self._settle = 0
         self._held = 0
         self._probe_up_next = True
+        self._congested: tuple[int, float] | None = None  # (level, until)
+        self._external = 0.0  # requests others have in flight at this backend (scraped)
         self._last: Window | None = None
         self.reason = "start"
 
@@ -190,26 +217,32 @@ class AdaptiveLimit:
         self._last = window
         if window.restarted:
             self.reset()
-            self._log(window.end, "restarted: search again")
+            self._log(window.end, "backend restarted: search again")
             return
+        if window.running_reqs is not None:
+            scraped = window.running_reqs + (window.queue_reqs or 0.0)
+            ext = max(0.0, scraped - window.in_flight)
+            self._external = 0.5 * self._external + 0.5 * ext
         congestion = self._congestion(window)
         if congestion and self._settle == 0:
-            self._back_off(window.end, congestion)
-            return
-        if not self._demand_bound(window):
-            self._windows.clear()
+            excess = window.queue_reqs if congestion.startswith("backend queueing") else None
+            self._back_off(window.end, congestion, excess)
             return
         if self._settle > 0:
             self._settle -= 1
+            return
+        if not self._demand_bound(window) or window.in_flight > window.limit * 1.1 + 1:
+            # Too little demand to learn anything, or still draining down to a lower limit.
+            self._windows.clear()
             return
         if window.tokens <= 0:
             return
         self._windows.append(window)
         if len(self._windows) < self.s.measure_windows:
             return
-        m = Measure.of(self._limit, self._windows)
+        m = Measure.of(self._limit, self._windows, self._external)
         self._windows = []
-        if self._phase == "climb" or self._phase == "probe_up":
+        if self._phase in ("climb", "probe_up"):
             self._on_up(m)
         elif self._phase == "probe_down":
             self._on_down(m)
@@ -225,6 +258,7 @@ class AdaptiveLimit:
             "floor": self.floor,
             "phase": self._phase,
             "reason": self.reason,
+            "external_in_flight": self._external,
             "baseline_itl_s": base.itl if base else None,
             "baseline_ttft_s": base.ttft if base else None,
             "baseline_tokens_per_s": base.tokens_per_s if base else None,
@@ -234,50 +268,51 @@ class AdaptiveLimit:
             "current_tokens_per_s": last.tokens_per_s if last else None,
         }
 
+    describe = snapshot
+
     # ---- phases ----------------------------------------------------------------------
 
     def _on_up(self, m: Measure) -> None:
         ref = self._ref
-        if ref is None or ref.level >= m.level:
+        if ref is None or ref.level >= m.level or ref.in_flight >= m.in_flight:
             self._ref = m
-            self._set(self._up(m.level, self.s.step), m.at, "measured start; climb")
+            self._climb_from(m, "measured; climb")
             return
-        rel = m.level / ref.level - 1.0
+        rel = m.in_flight / ref.in_flight - 1.0
         gain = m.tokens_per_s / ref.tokens_per_s - 1.0 if ref.tokens_per_s > 0 else 1.0
-        if gain >= self.s.min_gain * rel:
+        elasticity = gain / rel
+        doubled = self._phase == "climb" and self._step > self.s.step
+        if doubled and elasticity < self.LINEAR:
+            # A doubled step that was not linear may hide the knee inside it: go back and
+            # climb on with the base step.
+            self._step = self.s.step
+            self._doubling = False
+            self._climb_from(ref, f"{ref.level}->{m.level} gained {gain:+.1%}: refine")
+            return
+        if elasticity >= self.s.min_gain:
             self._ref = m
             self._knee = m.level
             self._baseline = m
             self._phase = "climb"
-            self._set(
-                self._up(m.level, self.s.step),
-                m.at,
-                f"{ref.level}->{m.level} gained {gain:+.1%}: climb",
-            )
+            if elasticity >= self.LINEAR and self._doubling:
+                self._step = min(1.0, self._step * 2)
+            else:
+                self._step = self.s.step
+            self._climb_from(m, f"{ref.level}->{m.level} gained {gain:+.1%}: climb")
             return
-        # No longer pays: the previous level is the knee.
-        self._knee = ref.level
-        self._phase = "hold"
-        self._held = 0
-        self._probe_up_next = False
         rose = _rose(m.itl, ref.itl, self.s.latency_tolerance) or _rose(
             m.ttft, ref.ttft, self.s.latency_tolerance
         )
-        self._baseline = ref
-        self._set(
-            ref.level,
-            m.at,
-            f"{ref.level}->{m.level} gained {gain:+.1%}"
-            f"{' with latency rising' if rose else ''}: knee {ref.level}",
-        )
+        why = f"{ref.level}->{m.level} gained {gain:+.1%}{' with latency up' if rose else ''}"
+        self._hold_at(ref, f"{why}: knee {ref.level}")
 
     def _on_down(self, m: Measure) -> None:
         ref = self._ref
         assert ref is not None
-        rel = ref.level / m.level - 1.0
+        rel = ref.in_flight / m.in_flight - 1.0 if m.in_flight < ref.in_flight else 0.0
         loss = ref.tokens_per_s / m.tokens_per_s - 1.0 if m.tokens_per_s > 0 else 1.0
-        if loss < self.s.min_gain * rel:
-            # The higher level was not worth its extra in-flight: move the knee down, keep going.
+        if rel > 0 and loss < self.s.min_gain * rel:
+            # The higher level was not worth its extra in-flight: move the knee down, go on.
             self._ref = m
             self._knee = m.level
             self._baseline = m
@@ -285,9 +320,7 @@ class AdaptiveLimit:
             if nxt < m.level:
                 self._set(nxt, m.at, f"{ref.level}->{m.level} lost only {loss:.1%}: lower")
             else:
-                self._phase = "hold"
-                self._held = 0
-                self._set(m.level, m.at, f"{ref.level}->{m.level} lost only {loss:.1%}: floor")
+                self._hold_at(m, f"{ref.level}->{m.level} lost only {loss:.1%}: at floor")
             return
         self._phase = "hold"
         self._held = 0
@@ -297,7 +330,7 @@ class AdaptiveLimit:
         base = self._baseline
         if base is not None and base.level == m.level:
             drift = _rose(m.itl, base.itl, self.s.drift_tolerance) or _rose(
-                m.ttft, base.ttft, self.s.drift_tolerance
+                m.ttft, base.ttft, 2 * self.s.drift_tolerance
             )
             if drift and m.tokens_per_s < base.tokens_per_s * (1.0 + self.s.latency_tolerance):
                 # Same in-flight, slower answers, no more throughput: the backend changed
@@ -305,11 +338,15 @@ class AdaptiveLimit:
                 self._ref = None
                 self._baseline = None
                 self._phase = "climb"
+                self._step = self.s.step
+                self._doubling = True
                 self._set(
                     self._down(m.level, self.s.step), m.at, "latency drifted at the knee: search"
                 )
                 return
         self._ref = m
+        if self._baseline is None:
+            self._baseline = m
         self._held += 1
         if self._held < self.s.probe_every:
             return
@@ -317,15 +354,37 @@ class AdaptiveLimit:
         up = self._probe_up_next or m.level <= self.floor
         self._probe_up_next = not up
         if up:
-            nxt = self._up(m.level, self.s.step / 2)
+            nxt = self._capped(self._up(m.level, self.s.step / 2), m.at)
             if nxt > m.level:
                 self._phase = "probe_up"
+                self._step = self.s.step
                 self._set(nxt, m.at, "probe up")
         else:
             nxt = self._down(m.level)
             if nxt < m.level:
                 self._phase = "probe_down"
                 self._set(nxt, m.at, "probe down")
+
+    def _climb_from(self, m: Measure, why: str) -> None:
+        nxt = self._capped(self._up(m.level, self._step), m.at)
+        if nxt <= m.level:
+            self._hold_at(m, f"{why}; no room above")
+            return
+        self._phase = "climb"
+        self._set(nxt, m.at, why)
+
+    def _hold_at(self, m: Measure, why: str) -> None:
+        self._knee = m.level
+        self._baseline = (
+            m if self._baseline is None or self._baseline.level != m.level else (self._baseline)
+        )
+        self._ref = m
+        self._phase = "hold"
+        self._held = 0
+        self._probe_up_next = False
+        self._step = self.s.step
+        self._doubling = False
+        self._set(m.level, m.at, why)
 
     # ---- congestion --------------------------------------------------------------------
 
@@ -343,16 +402,22 @@ class AdaptiveLimit:
             return f"{w.errors} errors"
         return None
 
-    def _back_off(self, now: float, why: str) -> None:
-        new = self._clamp(min(self._limit - 1, math.floor(self._limit * self.s.backoff)))
+    def _back_off(self, now: float, why: str, excess: float | None = None) -> None:
+        level = self._limit
+        new = math.floor(level * self.s.backoff)
+        if excess is not None:  # the backend says how many it queues: shed just those
+            new = max(new, level - math.ceil(excess))
+        new = self._clamp(min(level - 1, new))
+        self._congested = (level, now + self.s.congestion_memory_s)
         self._knee = new
         self._ref = None
         self._baseline = None
         self._windows = []
-        self._phase = "hold" if new <= self.floor else "climb"
+        self._phase = "hold"
         self._held = 0
+        self._probe_up_next = True
+        self._step = self.s.step
         self._set(new, now, f"{why}: back off")
-        # After a back-off the first measurement is a new reference, then climbing resumes.
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -366,6 +431,16 @@ class AdaptiveLimit:
         frac = self.s.step / 2 if frac is None else frac
         return self._clamp(level - max(1, round(level * frac)))
 
+    def _capped(self, nxt: int, now: float) -> int:
+        caps = []
+        if self._congested is not None:
+            level, until = self._congested
+            if now < until:
+                caps.append(level - 1)
+            else:
+                self._congested = None
+        return self._clamp(min([nxt, *caps]))
+
     def _clamp(self, n: int) -> int:
         return max(self.floor, min(self.ceiling, int(n)))
 
@@ -374,8 +449,11 @@ class AdaptiveLimit:
             self._settle = self.s.settle_windows
             self._windows = []
         self._limit = new
+        self._log(now, why)
+
+    def _log(self, now: float, why: str) -> None:
         self.reason = why
-        self.history.append((now, new, why))
+        self.history.append((now, self._limit, why))
 
 
 def limit_floor(

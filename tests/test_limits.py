@@ -1,0 +1,169 @@
+"""Limit algorithms on synthetic sample streams: numbers only, no server, no clock."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from limit_models import BatchModel, KneeModel, drive
+from pydantic import ValidationError
+
+from proxy.limits import AdaptiveLimit, FixedLimit, LimitSettings, make_limit
+
+
+def adaptive(floor: int = 1, **kw) -> AdaptiveLimit:
+    return AdaptiveLimit(LimitSettings(**kw), floor=floor)
+
+
+def test_fixed_limit_never_moves():
+    lim = make_limit(LimitSettings(algorithm="fixed", initial=24), parallelism="pp", pp_size=8)
+    assert isinstance(lim, FixedLimit)
+    drive(lim, KneeModel(knee=64), 20)
+    assert lim.limit == 24
+    # A fixed limit is exactly what was asked for, even below the pp floor (benchmark sweeps).
+    assert make_limit(LimitSettings(algorithm="fixed", initial=4), parallelism="pp", pp_size=8).limit == 4
+
+
+def test_make_limit_applies_the_pp_floor_and_starts_there():
+    lim = make_limit(LimitSettings(), parallelism="pp", pp_size=8)
+    assert isinstance(lim, AdaptiveLimit)
+    assert lim.floor == 8 and lim.limit == 8
+    assert make_limit(LimitSettings(), parallelism="tp", pp_size=8).floor == 1
+    assert make_limit(LimitSettings(initial=3, min_limit=2)).limit == 3
+
+
+def test_settings_reject_nonsense():
+    with pytest.raises(ValidationError):
+        LimitSettings(algorithm="vegas")
+    with pytest.raises(ValidationError):
+        LimitSettings(backoff=1.5)
+
+
+@pytest.mark.parametrize("knee", [12, 32, 48, 100])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_converges_near_the_knee(knee, seed):
+    lim = adaptive(floor=8)
+    model = KneeModel(knee=knee, seed=seed)
+    history = drive(lim, model, 120)
+    tail = history[60:]
+    # Near the knee: close to full throughput, without holding many more than the knee.
+    best = model.throughput(knee)
+    assert sum(model.throughput(c) for c in tail) / len(tail) >= 0.93 * best
+    assert sum(tail) / len(tail) <= knee * 1.3 + 1
+    assert lim.knee is not None and 0.75 * knee <= lim.knee <= 1.3 * knee + 1
+
+
+def test_reaches_the_knee_quickly_from_the_floor():
+    lim = adaptive(floor=8)
+    history = drive(lim, KneeModel(knee=48, seed=4), 30)
+    assert max(history) >= 40  # slow start: 30 windows are enough to get there
+
+
+def test_never_below_the_pp_floor_even_when_the_knee_is_lower():
+    lim = adaptive(floor=8)
+    model = KneeModel(knee=3, seed=5, queue_past=3, kv_past=3)
+    history = drive(lim, model, 100)
+    assert min(history) == 8 and lim.limit == 8
+
+
+def test_follows_the_knee_up_and_down():
+    lim = adaptive(floor=1)
+    drive(lim, KneeModel(knee=24, seed=6), 80)
+    assert 18 <= lim.limit <= 32
+    history = drive(lim, KneeModel(knee=64, seed=7), 200, t0=80)
+    assert 50 <= sum(history[-40:]) / 40 <= 85
+    history = drive(lim, KneeModel(knee=16, seed=8), 200, t0=280)
+    assert 12 <= sum(history[-40:]) / 40 <= 22
+
+
+def test_readapts_when_the_backend_becomes_slower():
+    lim = adaptive(floor=1)
+    drive(lim, KneeModel(knee=32, seed=9), 80)
+    before = lim.limit
+    # Half as fast per token, knee unchanged: ITL doubles at the held limit -> search again,
+    # and it finds the same knee.
+    slow = KneeModel(knee=32, rate=12.5, seed=10)
+    drive(lim, slow, 120, t0=80)
+    assert any("drifted" in why for _, _, why in lim.history)
+    assert 0.75 * before <= lim.limit <= 1.3 * before + 1
+
+
+def test_backs_off_when_the_backend_queues():
+    lim = adaptive(floor=1)
+    model = BatchModel(max_running=40, seed=11)
+    history = drive(lim, model, 120)
+    # SGLang's queue gauge (with TTFT rising) stops the climb at its running cap.
+    assert max(history) <= 80
+    assert 32 <= sum(history[-40:]) / 40 <= 44
+    assert any("queueing" in why for _, _, why in lim.history)
+
+
+def test_backs_off_on_a_full_kv_pool():
+    lim = adaptive(floor=4, initial=40)
+    model = KneeModel(knee=200, seed=12, kv_past=20)
+    history = drive(lim, model, 60)
+    assert history[-1] <= 20
+    assert min(history) >= 4
+    assert any("KV" in why for _, _, why in lim.history)
+
+
+def test_stale_metrics_count_as_saturated():
+    lim = adaptive(floor=8, initial=32)
+    model = KneeModel(knee=64, seed=13)
+    for i in range(30):
+        w = dataclasses.replace(model.window(lim.limit, i), stale=True)
+        lim.update(w)
+    assert lim.limit == 8  # backed off to the floor, not below
+
+
+def test_demand_limited_windows_do_not_move_the_limit():
+    lim = adaptive(floor=1, initial=16)
+    model = KneeModel(knee=64, seed=14, demand=4)  # only 4 clients: never at the limit
+    drive(lim, model, 60)
+    assert lim.limit == 16
+
+
+def test_restart_starts_the_search_again():
+    lim = adaptive(floor=8)
+    model = KneeModel(knee=48, seed=15)
+    drive(lim, model, 60)
+    assert lim.limit > 8
+    lim.update(dataclasses.replace(model.window(lim.limit, 60), restarted=True))
+    assert lim.limit == 8 and lim.knee is None
+
+
+def test_two_proxies_share_a_backend_without_an_arms_race():
+    """Each proxy sees the backend's scraped running count; together they hold about the knee."""
+    knee = 40
+    a, b = adaptive(floor=1, initial=30), adaptive(floor=1, initial=30)
+    model = KneeModel(knee=knee, seed=16, noise=0.02)
+    totals = []
+    for i in range(300):
+        la, lb = a.limit, b.limit
+        total = la + lb
+        tps = model.throughput(total) * (1 + model.rng.gauss(0, model.noise))
+        for lim, mine in ((a, la), (b, lb)):
+            share = tps * mine / total
+            w = dataclasses.replace(
+                model.window(mine, i),
+                tokens=int(share),
+                tokens_per_s=share,
+                itl=total / tps,
+                ttft=0.2 * max(1.0, total / knee),
+                running_reqs=float(min(total, 10_000)),
+                queue_reqs=0.0,
+            )
+            lim.update(w)
+        totals.append(total)
+    # Combined in flight ends near one proxy's knee, not at twice it.
+    assert sum(totals[-60:]) / 60 <= knee * 1.4
+
+
+def test_snapshot_exposes_limit_knee_and_baselines():
+    lim = adaptive(floor=8)
+    drive(lim, KneeModel(knee=32, seed=17), 60)
+    snap = lim.snapshot()
+    for key in ("limit", "knee", "floor", "phase", "baseline_itl_s", "baseline_ttft_s",
+                "current_itl_s", "current_ttft_s", "reason"):
+        assert key in snap
+    assert snap["limit"] == lim.limit and snap["baseline_itl_s"] is not None
