@@ -20,6 +20,7 @@ DASH = "—"
 
 # selfcheck thresholds used only when a level carries no warnings of its own (e.g. merged)
 _DISPATCH_P99_LIMIT_S = 1e-3
+FEW_REQUESTS = 10  # fewer completions than this in a window: say the percentiles are rough
 
 
 def make_console(file: Any = None) -> Console:
@@ -188,6 +189,11 @@ def level_warnings(level: LevelSummary) -> list[str]:
             warnings.append(f"{n - inside} {kind} error(s) outside the window")
     if level.completed == 0:
         warnings.append("no request completed inside the window: latency percentiles are empty")
+    elif level.completed < FEW_REQUESTS:
+        warnings.append(
+            f"only {level.completed} request(s) completed inside the window: percentiles are "
+            "rough (use a longer --duration)"
+        )
     return warnings
 
 
@@ -199,7 +205,18 @@ def _describe(value: Any) -> str:
     return str(value)
 
 
-_HEADER_KEYS = ("target", "model", "api", "stream", "workload", "server", "started_at", "command")
+_HEADER_KEYS = (
+    "target",
+    "model",
+    "api",
+    "stream",
+    "workload",
+    "server",
+    "sweep",
+    "time_note",
+    "started_at",
+    "command",
+)
 
 
 def header_lines(metadata: dict[str, Any]) -> list[str]:
@@ -239,7 +256,8 @@ def render_run(
     console.print(checks_table(result.levels))
     for level in result.levels:
         for warning in level_warnings(level):
-            console.print(Text(f"C={level.label}: {warning}", style="yellow"))
+            name = f"C={level.label}" if level.concurrency or level.rate is None else level.label
+            console.print(Text(f"{name}: {warning}", style="yellow"))
 
 
 def _fmt_metric(value: float | None, unit: str) -> str:

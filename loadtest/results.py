@@ -98,10 +98,12 @@ class RunResult:
         return cls(metadata=metadata, levels=levels, records=records)
 
     def save(self, path: str | Path, *, include_records: bool = True) -> None:
-        data = orjson.dumps(
-            self.to_dict(include_records=include_records),
-            option=orjson.OPT_INDENT_2 if not include_records else 0,
-        )
+        """Write JSON; indented for reading when it holds no records (which are large)."""
+        doc = self.to_dict(include_records=include_records)
+        try:
+            data = orjson.dumps(doc, option=orjson.OPT_INDENT_2 if doc["records"] is None else 0)
+        except TypeError as exc:  # orjson.JSONEncodeError: a non-JSON value in metadata
+            raise ResultsError(f"cannot write {path}: {exc}") from None
         try:
             Path(path).write_bytes(data)
         except OSError as exc:
