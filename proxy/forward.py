@@ -170,6 +170,7 @@ class Forwarder:
         rid_headers = {self._rid_header: request_id}
         excluded: set[str] = set()
         last: Failure | None = None
+        last_backend: Backend | None = None
         attempt = 0
         while True:
             attempt += 1
@@ -179,7 +180,7 @@ class Forwarder:
                 raise
             except Exception as e:
                 if last is not None:  # every other backend is gone too: report the real error
-                    return self._finish_failure(last, route, rid_headers)
+                    return self._finish_failure(last, route, rid_headers, last_backend)
                 resp = on_reject(e)
                 if resp is None:
                     raise
@@ -203,7 +204,7 @@ class Forwarder:
                     self.pool.reap(backend)
             if not isinstance(result, Failure):
                 return result
-            last = result
+            last, last_backend = result, backend
             excluded.add(backend.name)
             if not result.retryable or attempt >= self._r.max_attempts:
                 return self._finish_failure(result, route, rid_headers, backend)

@@ -71,8 +71,15 @@ class FakeUpstream:
         return web.Response(text="")
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "sglang",
-                "root": MODEL, "parent": None, "max_model_len": 4096}
+        card = {
+            "id": MODEL,
+            "object": "model",
+            "created": 0,
+            "owned_by": "sglang",
+            "root": MODEL,
+            "parent": None,
+            "max_model_len": 4096,
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -81,10 +88,14 @@ class FakeUpstream:
     async def embeddings(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append({"body": body, "headers": dict(request.headers)})
-        return web.json_response({"object": "list", "model": MODEL,
-                                  "data": [{"object": "embedding", "index": 0,
-                                            "embedding": [0.1, 0.2]}],
-                                  "usage": {"prompt_tokens": 2, "total_tokens": 2}})
+        return web.json_response(
+            {
+                "object": "list",
+                "model": MODEL,
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                "usage": {"prompt_tokens": 2, "total_tokens": 2},
+            }
+        )
 
     def _script(self, request: web.Request) -> dict[str, Any]:
         h = request.headers
@@ -99,28 +110,46 @@ class FakeUpstream:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.requests.append({"body": body, "headers": dict(request.headers),
-                              "path": request.path})
+        self.requests.append({"body": body, "headers": dict(request.headers), "path": request.path})
         s = self._script(request)
         if s["status"]:
             return web.json_response(
-                {"object": "error", "message": f"injected {s['status']}", "type": "BadRequestError",
-                 "param": None, "code": s["status"]}, status=s["status"])
+                {
+                    "object": "error",
+                    "message": f"injected {s['status']}",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": s["status"],
+                },
+                status=s["status"],
+            )
         chat = request.path.endswith("chat/completions")
         n = s["tokens"] or int(body.get("max_tokens") or 4)
         words = [f" w{i}" for i in range(n)]
         if not body.get("stream"):
             text = "".join(words)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                       "finish_reason": "length"} if chat else
-                      {"index": 0, "text": text, "finish_reason": "length"})
-            return web.json_response({"id": "x", "object": "chat.completion" if chat else
-                                      "text_completion", "created": 0, "model": MODEL,
-                                      "choices": [choice],
-                                      "usage": {"prompt_tokens": 3, "completion_tokens": n,
-                                                "total_tokens": n + 3}})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "X-Upstream": self.name})
+            choice = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                }
+                if chat
+                else {"index": 0, "text": text, "finish_reason": "length"}
+            )
+            return web.json_response(
+                {
+                    "id": "x",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": 0,
+                    "model": MODEL,
+                    "choices": [choice],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3},
+                }
+            )
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "X-Upstream": self.name}
+        )
         self.running += 1
         self.started += 1
         try:
@@ -129,12 +158,25 @@ class FakeUpstream:
             async def send(obj: dict) -> None:
                 await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
-            base = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": 0, "model": MODEL}
+            base = {
+                "id": "x",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 0,
+                "model": MODEL,
+            }
             if chat:
-                await send({**base, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                       "content": ""},
-                                                 "finish_reason": None}]})
+                await send(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
             for i, w in enumerate(words):
                 if s["die_after"] is not None and i >= s["die_after"]:
                     request.transport.close()  # type: ignore[union-attr]
@@ -143,16 +185,28 @@ class FakeUpstream:
                     await asyncio.sleep(3600)
                 if s["delay"]:
                     await asyncio.sleep(s["delay"])
-                choice = ({"index": 0, "delta": {"content": w}, "finish_reason": None} if chat
-                          else {"index": 0, "text": w, "finish_reason": None})
+                choice = (
+                    {"index": 0, "delta": {"content": w}, "finish_reason": None}
+                    if chat
+                    else {"index": 0, "text": w, "finish_reason": None}
+                )
                 await send({**base, "choices": [choice]})
             if chat:
-                await send({**base, "choices": [{"index": 0, "delta": {},
-                                                 "finish_reason": "length"}]})
+                await send(
+                    {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+                )
             if (body.get("stream_options") or {}).get("include_usage"):
-                await send({**base, "choices": [], "usage": {"prompt_tokens": 3,
-                                                             "completion_tokens": n,
-                                                             "total_tokens": n + 3}})
+                await send(
+                    {
+                        **base,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": 3,
+                            "completion_tokens": n,
+                            "total_tokens": n + 3,
+                        },
+                    }
+                )
             await resp.write(b"data: [DONE]\n\n")
             return resp
         except asyncio.CancelledError:
@@ -163,15 +217,20 @@ class FakeUpstream:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.requests.append({"body": body, "headers": dict(request.headers),
-                              "path": request.path})
+        self.requests.append({"body": body, "headers": dict(request.headers), "path": request.path})
         n = int((body.get("sampling_params") or {}).get("max_new_tokens", 3))
 
         def item(k: int, done: bool) -> dict:
-            return {"text": " w" * k, "output_ids": list(range(k)),
-                    "meta_info": {"id": "r", "prompt_tokens": 2, "completion_tokens": k,
-                                  "finish_reason": {"type": "length", "length": n} if done
-                                  else None}}
+            return {
+                "text": " w" * k,
+                "output_ids": list(range(k)),
+                "meta_info": {
+                    "id": "r",
+                    "prompt_tokens": 2,
+                    "completion_tokens": k,
+                    "finish_reason": {"type": "length", "length": n} if done else None,
+                },
+            }
 
         if not body.get("stream"):
             return web.json_response(item(n, True))
@@ -190,8 +249,11 @@ def proxy_settings(backends: list[str], **sections: Any):
     health = {"interval_s": 0.2, "timeout_s": 1.0, "eject_s": 0.5, **sections.pop("health", {})}
     retries = {"backoff_base_s": 0.0, **sections.pop("retries", {})}
     return load_settings(
-        None, backends=[{"url": u} if isinstance(u, str) else u for u in backends],
-        health=health, retries=retries, **sections,
+        None,
+        backends=[{"url": u} if isinstance(u, str) else u for u in backends],
+        health=health,
+        retries=retries,
+        **sections,
     )
 
 
