@@ -277,8 +277,8 @@ async def fakes(n: int = 1) -> AsyncIterator[list[FakeUpstream]]:
             await u.stop()
 
 
-async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
+async def wait_for(predicate, within: float = 5.0, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + within
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")

@@ -233,7 +233,7 @@ async def test_idle_timeout_mid_stream_and_first_byte_timeout():
         assert "idle timeout" in str(info.value)
         await wait_for(lambda: up.running == 0)  # the stalled upstream request was closed
         # Non-streaming: the whole answer must come within first_byte_s.
-        r, body = await _post(
+        r, _body = await _post(
             px.url + "/v1/chat/completions",
             {"model": MODEL, "messages": [], "max_tokens": 3},
             headers={"X-Fake-Delay": "0"},
@@ -282,7 +282,7 @@ async def test_client_disconnect_aborts_upstream_at_once():
             await resp.content.readline()
             await wait_for(lambda: up.running == 1)
             resp.close()  # client goes away mid-stream
-        await wait_for(lambda: up.running == 0, timeout=2)
+        await wait_for(lambda: up.running == 0, within=2)
         assert up.cancelled == 1
         await wait_for(lambda: px.proxy.pool.all()[0].in_flight == 0)
         metrics = (await _get(px.url + "/metrics"))[1].decode()
@@ -368,7 +368,7 @@ async def test_half_open_probe_after_passive_ejection():
                 )
                 assert r.status == 500
             assert b.state is State.UNHEALTHY
-            r, body = await _post(px.url + "/v1/chat/completions", {"messages": []})
+            r, _body = await _post(px.url + "/v1/chat/completions", {"messages": []})
             assert r.status == 503  # ejected: no traffic
             px.proxy.health.kick()  # the next check after eject_s is the half-open probe
             await asyncio.sleep(0.35)
