@@ -14,12 +14,10 @@ from rich.table import Table
 from rich.text import Text
 
 from loadtest.results import RunResult
-from loadtest.stats import LevelSummary, MetricChange, compare_levels
+from loadtest.stats import LevelSummary, MetricChange, compare_levels, summary_warnings
 
 DASH = "—"
 
-# selfcheck thresholds used only when a level carries no warnings of its own (e.g. merged)
-_DISPATCH_P99_LIMIT_S = 1e-3
 FEW_REQUESTS = 10  # fewer completions than this in a window: say the percentiles are rough
 
 
@@ -158,31 +156,13 @@ def checks_table(levels: Sequence[LevelSummary]) -> Table:
 
 
 def level_warnings(level: LevelSummary) -> list[str]:
-    """The runner's self-check warnings, or ones derived from the summary when it has none."""
+    """The runner's self-check warnings (or ones derived from the summary when it has none),
+    plus what the window left out."""
     sc = level.selfcheck or {}
     if isinstance(sc.get("warnings"), list):
         warnings = [str(w) for w in sc["warnings"]]
     else:
-        warnings = []
-        c = level.concurrency
-        if c and level.achieved_concurrency < 0.95 * c:
-            warnings.append(
-                f"achieved concurrency {level.achieved_concurrency:.2f} < requested {c}"
-            )
-        p99 = level.dispatch_delay.p99
-        if p99 is not None and p99 > _DISPATCH_P99_LIMIT_S:
-            warnings.append(
-                f"dispatch delay p99 {p99 * 1e3:.1f} ms: the client may be the bottleneck"
-            )
-        if level.token_mismatch:
-            warnings.append(f"{level.token_mismatch} request(s): usage differs from chunk tokens")
-        if level.usage_missing:
-            warnings.append(
-                f"{level.usage_missing} request(s) without server usage: counts from chunks"
-            )
-        if level.errors:
-            kinds = ", ".join(f"{k}={v}" for k, v in sorted(level.errors.items()))
-            warnings.append(f"errors: {kinds}")
+        warnings = summary_warnings(level)
     for kind, n in sorted(level.errors_all.items()):
         inside = level.errors.get(kind, 0)
         if n > inside:

@@ -26,7 +26,13 @@ from typing import Any
 import orjson
 
 from loadtest.records import RequestRecord
-from loadtest.stats import DISTRIBUTIONS, STAT_KEYS, LevelSummary, summarize_level
+from loadtest.stats import (
+    DISTRIBUTIONS,
+    STAT_KEYS,
+    LevelSummary,
+    summarize_level,
+    summary_warnings,
+)
 
 SCHEMA = "pipefill.loadtest.run/1"
 
@@ -289,16 +295,13 @@ def merge_runs(
                 "(were they started at the same time?)"
             )
         rate = None if key[1] is None else sum(r.levels[li].rate or 0.0 for r in runs)
-        merged_levels.append(
-            summarize_level(
-                shifted,
-                concurrency=concurrency,
-                window=(w0, w1),
-                slo=slo,
-                selfcheck={"merged": [r.levels[li].selfcheck for r in runs]},
-                rate=rate,
-            )
+        summary = summarize_level(
+            shifted, concurrency=concurrency, window=(w0, w1), slo=slo, rate=rate
         )
+        summary.selfcheck = _merged_selfcheck(
+            [r.levels[li].selfcheck for r in runs], names, summary_warnings(summary)
+        )
+        merged_levels.append(summary)
         merged_records.extend(shifted)
     metadata = {
         **{k: v for k, v in first.metadata.items() if k not in ("client", "command", "pid")},
@@ -306,6 +309,24 @@ def merge_runs(
         "merged_from": [run.metadata for run in runs],
     }
     return RunResult(metadata=metadata, levels=merged_levels, records=merged_records)
+
+
+def _merged_selfcheck(
+    checks: Sequence[dict[str, Any] | None], names: Sequence[str], derived: list[str]
+) -> dict[str, Any]:
+    """Each source's self-checks, the worst of the client-side numbers, and all warnings."""
+    out: dict[str, Any] = {"merged": list(checks)}
+    for key in ("dispatch_delay_p99_s", "loop_lag_p99_s", "client_cpu"):
+        values = [c[key] for c in checks if c and isinstance(c.get(key), int | float)]
+        if values:
+            out[key] = max(values)
+    warnings = [
+        f"{name}: {w}"
+        for name, c in zip(names, checks, strict=True)
+        for w in (c or {}).get("warnings") or []
+    ]
+    out["warnings"] = warnings + derived
+    return out
 
 
 def _shift(record: RequestRecord, shift: float, worker_base: int, level: int) -> RequestRecord:

@@ -437,6 +437,30 @@ def _mean(values: Sequence[float]) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
+DISPATCH_P99_LIMIT_S = 1e-3  # a closed-loop client should refill a slot well within this
+
+
+def summary_warnings(level: LevelSummary) -> list[str]:
+    """Warnings that follow from a summary alone (the runner adds its own self-checks)."""
+    warnings: list[str] = []
+    c = level.concurrency
+    if c and level.achieved_concurrency < 0.95 * c:
+        warnings.append(f"achieved concurrency {level.achieved_concurrency:.2f} < requested {c}")
+    p99 = level.dispatch_delay.p99
+    if p99 is not None and p99 > DISPATCH_P99_LIMIT_S:
+        warnings.append(f"dispatch delay p99 {p99 * 1e3:.1f} ms: the client may be the bottleneck")
+    if level.token_mismatch:
+        warnings.append(f"{level.token_mismatch} request(s): usage differs from chunk tokens")
+    if level.usage_missing:
+        warnings.append(
+            f"{level.usage_missing} request(s) without server usage: counts from chunks"
+        )
+    if level.errors:
+        kinds = ", ".join(f"{k}={v}" for k, v in sorted(level.errors.items()))
+        warnings.append(f"errors: {kinds}")
+    return warnings
+
+
 # ---------------------------------------------------------------- repetitions (--repeat K)
 
 

@@ -331,3 +331,14 @@ def test_merge_refuses_modelled_time():
     b.metadata["time_scale"] = 0.01
     with pytest.raises(ResultsError, match="modelled time"):
         merge_runs([a, b])
+
+
+def test_merge_keeps_each_machines_self_check_warnings():
+    a, b = make_run((1,)), make_run((1,), t0=0.1)
+    a.levels[0].selfcheck = {"client_cpu": 0.2, "warnings": []}
+    b.levels[0].selfcheck = {"client_cpu": 0.97, "warnings": ["CLIENT IS THE BOTTLENECK: cpu"]}
+    merged = merge_runs([a, b], names=["a.json", "b.json"])
+    check = merged.levels[0].selfcheck
+    assert check["client_cpu"] == 0.97
+    assert "b.json: CLIENT IS THE BOTTLENECK: cpu" in check["warnings"]
+    assert len(check["merged"]) == 2
