@@ -21,7 +21,10 @@ def test_fixed_limit_never_moves():
     drive(lim, KneeModel(knee=64), 20)
     assert lim.limit == 24
     # A fixed limit is exactly what was asked for, even below the pp floor (benchmark sweeps).
-    assert make_limit(LimitSettings(algorithm="fixed", initial=4), parallelism="pp", pp_size=8).limit == 4
+    assert (
+        make_limit(LimitSettings(algorithm="fixed", initial=4), parallelism="pp", pp_size=8).limit
+        == 4
+    )
 
 
 def test_make_limit_applies_the_pp_floor_and_starts_there():
@@ -163,7 +166,16 @@ def test_snapshot_exposes_limit_knee_and_baselines():
     lim = adaptive(floor=8)
     drive(lim, KneeModel(knee=32, seed=17), 60)
     snap = lim.snapshot()
-    for key in ("limit", "knee", "floor", "phase", "baseline_itl_s", "baseline_ttft_s",
-                "current_itl_s", "current_ttft_s", "reason"):
+    for key in (
+        "limit",
+        "knee",
+        "floor",
+        "phase",
+        "baseline_itl_s",
+        "baseline_ttft_s",
+        "current_itl_s",
+        "current_ttft_s",
+        "reason",
+    ):
         assert key in snap
     assert snap["limit"] == lim.limit and snap["baseline_itl_s"] is not None

@@ -1,0 +1,224 @@
+"""Scrape each backend's SGLang gauges: the confirming signal for the limits.
+
+Every ``interval_s`` each backend's ``/metrics`` is fetched and reduced to four numbers, landed in
+``backend.stats.observe_scrape``:
+
+- ``sglang:num_queue_reqs`` and ``sglang:num_running_reqs``: summed over ranks (dp/pp); of
+  series labelled ``tp_rank``/``attn_tp_rank``/``moe_ep_rank`` only rank "0" counts, since with
+  ``--enable-metrics-for-all-schedulers`` every TP rank repeats the same scheduler state;
+- ``sglang:token_usage``: the fullest rank (each DP rank has its own KV pool, so a sum of
+  fractions would mean nothing);
+- ``sglang:generation_tokens_total``: summed; when it goes backwards the backend restarted.
+
+With ``use_get_load`` the queue and running counts come from ``/get_load`` instead (fresher: it
+asks the scheduler, while SGLang's gauges refresh only every 40 decode steps and keep their value
+when idle). A scrape that fails or times out leaves the last values in place and ages them;
+:class:`proxy.stats.BackendStats` counts a backend whose last success is older than
+``stale_after_intervals`` intervals as saturated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger("proxy.scrape")
+
+_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_RANK_LABELS = ("tp_rank", "attn_tp_rank", "moe_ep_rank")
+WANTED = (
+    "sglang:num_queue_reqs",
+    "sglang:num_running_reqs",
+    "sglang:token_usage",
+    "sglang:generation_tokens_total",
+)
+
+
+class _NotServed(Exception):
+    pass
+
+
+class ScrapeSettings(BaseModel):
+    """``[scrape]``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of one backend")
+    timeout_s: float = Field(1.0, gt=0, description="one scrape's timeout")
+    stale_after_intervals: float = Field(
+        3.0, gt=0, description="a last success older than this many intervals = saturated"
+    )
+    path: str = Field("/metrics", description="the backend's Prometheus endpoint")
+    use_get_load: bool = Field(False, description="queue/running counts from /get_load")
+
+
+def parse_metrics(text: str) -> dict[str, float | None]:
+    """Reduce a Prometheus text page to the four numbers we use (None when absent)."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("sglang:"):
+            continue
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        name = m.group(1)
+        if name not in WANTED:
+            continue
+        labels = dict(_LABEL.findall(m.group(3) or ""))
+        if any(labels.get(k, "0") != "0" for k in _RANK_LABELS):
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        if value != value:  # NaN
+            continue
+        if name == "sglang:token_usage":
+            sums[name] = max(sums.get(name, 0.0), value)
+        else:
+            sums[name] = sums.get(name, 0.0) + value
+    return {
+        "queue_reqs": sums.get("sglang:num_queue_reqs"),
+        "running_reqs": sums.get("sglang:num_running_reqs"),
+        "token_usage": sums.get("sglang:token_usage"),
+        "generation_tokens_total": sums.get("sglang:generation_tokens_total"),
+    }
+
+
+def parse_get_load(body: bytes) -> dict[str, float | None]:
+    """``/get_load``: one row per DP rank with num_reqs (running + waiting), num_waiting_reqs."""
+    rows = orjson.loads(body)
+    if isinstance(rows, dict):
+        rows = rows.get("loads") or [rows]
+    queue = running = 0.0
+    for row in rows:
+        waiting = float(row.get("num_waiting_reqs", 0) or 0)
+        total = float(row.get("num_reqs", waiting) or 0)
+        queue += waiting
+        running += max(0.0, total - waiting)
+    return {"queue_reqs": queue, "running_reqs": running}
+
+
+class Scraper:
+    """Scrapes every backend of ``pool`` periodically (``start()``/``close()``)."""
+
+    def __init__(
+        self,
+        pool: Any,
+        settings: ScrapeSettings | None = None,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_scrape: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.s = settings or ScrapeSettings()
+        self._session = session
+        self._own_session = session is None
+        self._clock = clock
+        self._task: asyncio.Task | None = None
+        #: backends that answer 404 for the metrics path (not scraped)
+        self.unsupported: set[str] = set()
+        #: called after each backend's scrape (e.g. ``admission.wake`` when limits may move)
+        self.on_scrape = on_scrape
+
+    def _backends(self) -> list[Any]:
+        pool = self.pool
+        if hasattr(pool, "all"):
+            return list(pool.all())
+        if hasattr(pool, "list"):
+            return list(pool.list())
+        return list(pool)
+
+    async def _get(self, url: str, headers: dict[str, str] | None) -> bytes:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        timeout = aiohttp.ClientTimeout(total=self.s.timeout_s)
+        async with self._session.get(url, headers=headers, timeout=timeout) as resp:
+            if resp.status == 404:
+                raise _NotServed(f"HTTP 404 for {url}")
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}")
+            return await resp.read()
+
+    async def scrape_once(self, backend: Any) -> bool:
+        """Scrape one backend and land the result in its stats. Returns success."""
+        stats = backend.stats
+        if backend.name in self.unsupported:
+            return False
+        stats.stale_after_s = self.s.interval_s * self.s.stale_after_intervals
+        api_key = getattr(backend, "api_key", None)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        base = str(backend.url).rstrip("/")
+        try:
+            values = parse_metrics((await self._get(base + self.s.path, headers)).decode())
+            if self.s.use_get_load:
+                values.update(parse_get_load(await self._get(base + "/get_load", headers)))
+        except asyncio.CancelledError:
+            raise
+        except _NotServed as e:
+            if stats.scrape.ok_at is None:
+                # SGLang without --enable-metrics: never scraped, so never "stale" either.
+                log.warning(
+                    "backend %s: %s; not scraping it (start SGLang with --enable-metrics)",
+                    backend.name,
+                    e,
+                )
+                self.unsupported.add(backend.name)
+                stats.stale_after_s = None
+                return False
+            stats.observe_scrape(ok=False, error=str(e))
+            return False
+        except Exception as e:  # any failure ages the metrics; the limit treats stale as full
+            stats.observe_scrape(ok=False, error=f"{type(e).__name__}: {e}"[:200])
+            return False
+        stats.observe_scrape(ok=True, **values)
+        return True
+
+    async def scrape_all(self) -> None:
+        backends = self._backends()
+        if backends:
+            await asyncio.gather(*(self.scrape_once(b) for b in backends))
+        if self.on_scrape is not None:
+            for b in backends:
+                self.on_scrape(b)
+
+    def start(self) -> asyncio.Task | None:
+        if not self.s.enabled:
+            return None
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return self._task
+
+    async def _run(self) -> None:
+        while True:
+            started = self._clock()
+            try:
+                await self.scrape_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("scrape round failed")
+            elapsed = self._clock() - started
+            await asyncio.sleep(max(0.0, self.s.interval_s - elapsed))
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None

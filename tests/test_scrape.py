@@ -1,0 +1,141 @@
+"""Scraping SGLang's /metrics: rank aggregation, restarts, staleness, a 404 backend."""
+
+from __future__ import annotations
+
+from adapt_fakes import FakeBackend, FakeClock
+from aiohttp import web
+from conftest import free_port
+
+from proxy.scrape import Scraper, ScrapeSettings, parse_get_load, parse_metrics
+from proxy.stats import BackendStats
+
+PAGE = """\
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank="0",dp_rank="0"} 3.0
+sglang:num_queue_reqs{model_name="m",engine_type="unified",tp_rank="0",pp_rank="0",dp_rank="1"} 2.0
+sglang:num_queue_reqs{model_name="m",engine_type="unified",tp_rank="1",pp_rank="0",dp_rank="0"} 3.0
+sglang:num_running_reqs{model_name="m",tp_rank="0",dp_rank="0"} 10.0
+sglang:num_running_reqs{model_name="m",tp_rank="0",dp_rank="1"} 12.0
+sglang:token_usage{model_name="m",tp_rank="0",dp_rank="0"} 0.5
+sglang:token_usage{model_name="m",tp_rank="0",dp_rank="1"} 0.75
+sglang:num_used_tokens{model_name="m",tp_rank="0"} 999.0
+# TYPE sglang:generation_tokens counter
+sglang:generation_tokens_total{model_name="m"} 1234.0
+sglang:generation_tokens_created{model_name="m"} 1.7e9
+"""
+
+
+def test_parse_sums_ranks_once_and_takes_the_fullest_kv_pool():
+    v = parse_metrics(PAGE)
+    assert v["queue_reqs"] == 5.0  # dp ranks summed, tp_rank 1 repeats rank 0 and is skipped
+    assert v["running_reqs"] == 22.0
+    assert v["token_usage"] == 0.75
+    assert v["generation_tokens_total"] == 1234.0
+
+
+def test_parse_missing_metrics_are_none():
+    v = parse_metrics("# nothing here\nother_metric 1\n")
+    assert v == {
+        "queue_reqs": None,
+        "running_reqs": None,
+        "token_usage": None,
+        "generation_tokens_total": None,
+    }
+
+
+def test_parse_get_load_rows():
+    body = (
+        b'[{"dp_rank":0,"num_reqs":7,"num_waiting_reqs":2,"num_tokens":100},'
+        b'{"dp_rank":1,"num_reqs":3,"num_waiting_reqs":0,"num_tokens":50}]'
+    )
+    assert parse_get_load(body) == {"queue_reqs": 2.0, "running_reqs": 8.0}
+
+
+def test_counter_going_backwards_marks_a_restart():
+    clock = FakeClock()
+    st = BackendStats(clock=clock)
+    st.observe_scrape(ok=True, generation_tokens_total=500.0)
+    assert st.take_window().restarted is False
+    st.observe_scrape(ok=True, generation_tokens_total=20.0)
+    assert st.scrape.restarts == 1
+    assert st.take_window().restarted is True
+    assert st.take_window().restarted is False
+
+
+def test_stale_after_failures():
+    clock = FakeClock()
+    st = BackendStats(clock=clock, stale_after_s=3.0)
+    assert st.scrape_stale() is False  # never scraped: not stale
+    st.observe_scrape(ok=True, queue_reqs=1.0, token_usage=0.2)
+    clock.advance(2.0)
+    st.observe_scrape(ok=False, error="timeout")
+    assert st.scrape_stale() is False
+    w = st.take_window()
+    assert w.queue_reqs == 1.0 and w.stale is False
+    clock.advance(2.0)
+    st.observe_scrape(ok=False, error="timeout")
+    assert st.scrape_stale() is True
+    w = st.take_window()
+    assert w.stale is True and w.queue_reqs is None  # stale values are not passed on
+
+
+async def _serve(routes: dict[str, bytes | int]) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    for path, answer in routes.items():
+
+        async def handler(_request, answer=answer):
+            if isinstance(answer, int):
+                return web.Response(status=answer)
+            return web.Response(body=answer)
+
+        app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_scraper_lands_gauges_in_stats():
+    runner, url = await _serve(
+        {
+            "/metrics": PAGE.encode(),
+            "/get_load": b'[{"num_reqs": 9, "num_waiting_reqs": 4}]',
+        }
+    )
+    b = FakeBackend("a", url=url)
+    seen = []
+    scraper = Scraper([b], ScrapeSettings(interval_s=0.5), on_scrape=seen.append)
+    try:
+        await scraper.scrape_all()
+        assert b.stats.scrape.queue_reqs == 5.0 and b.stats.scrape.token_usage == 0.75
+        assert b.stats.stale_after_s == 1.5 and seen == [b]
+        scraper.s = ScrapeSettings(use_get_load=True)
+        assert await scraper.scrape_once(b)
+        assert b.stats.scrape.queue_reqs == 4.0 and b.stats.scrape.running_reqs == 5.0
+    finally:
+        await scraper.close()
+        await runner.cleanup()
+
+
+async def test_scraper_failure_and_404():
+    runner, url = await _serve({"/metrics": 500})
+    failing = FakeBackend("fails", url=url)
+    missing = FakeBackend("nometrics", url=url)
+    scraper = Scraper([failing], ScrapeSettings(path="/metrics"))
+    scraper404 = Scraper([missing], ScrapeSettings(path="/absent"))
+    try:
+        assert not await scraper.scrape_once(failing)
+        assert failing.stats.scrape.errors == 1 and failing.stats.scrape_stale()
+        # A backend without /metrics is simply not scraped (never stale, limits not pinned).
+        assert not await scraper404.scrape_once(missing)
+        assert "nometrics" in scraper404.unsupported
+        assert not missing.stats.scrape_stale()
+        unreachable = FakeBackend("down", url=f"http://127.0.0.1:{free_port()}")
+        assert not await scraper.scrape_once(unreachable)
+        assert unreachable.stats.scrape_stale()
+    finally:
+        await scraper.close()
+        await scraper404.close()
+        await runner.cleanup()
