@@ -1,0 +1,283 @@
+"""The proxy's queue: late binding, priorities, bounds, deadlines, client-gone, wake()."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from adapt_fakes import FakeBackend, FakeClock
+
+from proxy.admission import Admission, NoHealthyBackend, QueueFull, QueueTimeout
+from proxy.policies import make_policy
+
+
+def admission(backends, **kw) -> Admission:
+    kw.setdefault("max_queue", 100)
+    kw.setdefault("queue_deadline_s", 30.0)
+    return Admission(backends, make_policy(kw.pop("policy", "least_in_flight")), **kw)
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def test_binds_at_once_and_release_is_idempotent():
+    a = FakeBackend("a", 2)
+    adm = admission([a])
+    lease = await adm.acquire()
+    assert lease.backend is a and a.in_flight == 1 and lease.waited_s == 0.0
+    lease.release()
+    lease.release()
+    assert a.in_flight == 0
+    with await adm.acquire() as lease2:
+        assert a.in_flight == 1
+    assert a.in_flight == 0 and lease2.released
+
+
+async def test_late_binding_goes_to_whichever_backend_frees_first():
+    a, b = FakeBackend("a", 1), FakeBackend("b", 1)
+    adm = admission([a, b])
+    la, lb = await adm.acquire(), await adm.acquire()
+    assert {la.backend.name, lb.backend.name} == {"a", "b"}
+    waiter = asyncio.create_task(adm.acquire())
+    await settle()
+    assert adm.depth == 1 and not waiter.done()
+    lb.release()  # b frees first: the queued request is bound to b now, not at arrival
+    lease = await waiter
+    assert lease.backend is lb.backend and lease.waited_s >= 0
+    assert adm.depth == 0
+
+
+async def test_a_burst_never_exceeds_limits():
+    backends = [FakeBackend(n, 4) for n in "abc"]
+    adm = admission(backends)
+    tasks = [asyncio.create_task(adm.acquire()) for _ in range(50)]
+    await settle()
+    done = [t for t in tasks if t.done()]
+    assert len(done) == 12 and all(b.in_flight == 4 for b in backends)
+    assert adm.depth == 38
+    for t in done:
+        t.result().release()
+    await settle()
+    assert sum(t.done() for t in tasks) == 24
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_interactive_goes_before_batch_and_fifo_within_class():
+    a = FakeBackend("a", 1)
+    adm = admission([a])
+    first = await adm.acquire()
+    order: list[str] = []
+
+    async def wait(name, priority):
+        lease = await adm.acquire(priority=priority)
+        order.append(name)
+        return lease
+
+    tasks = [
+        asyncio.create_task(wait("batch1", "batch")),
+        asyncio.create_task(wait("batch2", "batch")),
+        asyncio.create_task(wait("inter1", "interactive")),
+        asyncio.create_task(wait("inter2", "interactive")),
+    ]
+    await settle()
+    assert adm.depth_by_class() == {"interactive": 2, "batch": 2}
+    lease = first
+    for _ in range(4):
+        lease.release()
+        await settle()
+        lease = next(t.result() for t in tasks if t.done() and not t.result().released)
+    assert order == ["inter1", "inter2", "batch1", "batch2"]
+    lease.release()
+    # A new interactive request does not overtake queued interactive ones either.
+    assert not adm._ahead("batch") and not adm._ahead("interactive")
+
+
+async def test_queue_full_is_a_counted_429_with_retry_after():
+    a = FakeBackend("a", 1)
+    adm = admission([a], max_queue=2)
+    await adm.acquire()
+    waiters = [asyncio.create_task(adm.acquire()) for _ in range(2)]
+    await settle()
+    with pytest.raises(QueueFull) as e:
+        await adm.acquire()
+    assert e.value.retry_after >= 1
+    assert adm.rejections["queue_full"] == 1
+    for t in waiters:
+        t.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_queue_deadline_is_a_counted_timeout():
+    a = FakeBackend("a", 1)
+    adm = admission([a], queue_deadline_s=30.0)
+    await adm.acquire()
+    with pytest.raises(QueueTimeout):
+        await adm.acquire(deadline=0.01)  # a per-request deadline overrides the default
+    assert adm.rejections["queue_timeout"] == 1 and adm.depth == 0
+
+
+async def test_client_gone_leaves_the_queue_at_once():
+    a = FakeBackend("a", 1)
+    adm = admission([a])
+    lease = await adm.acquire()
+    waiter = asyncio.create_task(adm.acquire())
+    await settle()
+    assert adm.depth == 1
+    waiter.cancel()
+    await settle()
+    assert adm.depth == 0 and adm.rejections["client_gone"] == 1
+    lease.release()
+    assert a.in_flight == 0  # nobody was bound to the departed client
+
+
+async def test_bound_then_cancelled_gives_the_slot_back():
+    a = FakeBackend("a", 1)
+    adm = admission([a])
+    lease = await adm.acquire()
+    waiter = asyncio.create_task(adm.acquire())
+    await settle()
+    lease.release()  # binds the waiter synchronously (a.in_flight == 1 again) ...
+    assert a.in_flight == 1
+    waiter.cancel()  # ... but its client leaves before the task resumes
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert a.in_flight == 0
+
+
+async def test_no_healthy_backend():
+    a, b = FakeBackend("a", 1), FakeBackend("b", 1)
+    a.routable = b.routable = False
+    adm = admission([a, b])
+    with pytest.raises(NoHealthyBackend):
+        await adm.acquire()
+    b.routable = True
+    with pytest.raises(NoHealthyBackend):
+        await adm.acquire(exclude={"b"})  # a retry that excluded the only healthy one
+    lease = await adm.acquire(exclude={"a"})
+    assert lease.backend is b
+    # A queued request fails as soon as its last usable backend goes away.
+    waiter = asyncio.create_task(adm.acquire())
+    await settle()
+    b.routable = False
+    adm.wake()
+    with pytest.raises(NoHealthyBackend):
+        await waiter
+    assert adm.rejections["no_healthy_backend"] == 3
+
+
+async def test_retry_excludes_the_failed_backend_and_skips_past_a_blocked_waiter():
+    a, b = FakeBackend("a", 1), FakeBackend("b", 1)
+    adm = admission([a, b])
+    la, lb = await adm.acquire(), await adm.acquire()
+    only_b = asyncio.create_task(adm.acquire(exclude={la.backend.name}))
+    anyone = asyncio.create_task(adm.acquire())
+    await settle()
+    la.release()  # the head waiter may not use this backend; the next one takes it
+    await settle()
+    assert not only_b.done() and anyone.done()
+    assert anyone.result().backend is la.backend
+    lb.release()
+    await settle()
+    assert only_b.result().backend is lb.backend
+
+
+async def test_wake_hands_out_slots_after_a_limit_grows():
+    a = FakeBackend("a", 1)
+    adm = admission([a])
+    await adm.acquire()
+    waiter = asyncio.create_task(adm.acquire())
+    await settle()
+    a.limit._limit = 2
+    adm.wake()
+    await settle()
+    assert waiter.done() and a.in_flight == 2
+
+
+async def test_untrusted_backend_gets_one_probe_request():
+    new = FakeBackend("new", 8, trusted=False)
+    adm = admission([new], probe_in_flight=1)
+    await adm.acquire()
+    waiter = asyncio.create_task(adm.acquire())
+    await settle()
+    assert not waiter.done()
+    new.stats.observe_first_byte()  # it answered: trusted
+    adm.wake()
+    await settle()
+    assert waiter.done() and new.in_flight == 2
+
+
+class RecordingLimit:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.knee = None
+        self.windows = []
+
+    def update(self, window) -> None:
+        self.windows.append(window)
+        self.limit += 1
+
+
+async def test_limits_are_fed_complete_windows():
+    clock = FakeClock()
+    lim = RecordingLimit(2)
+    a = FakeBackend("a", clock=clock, limit_obj=lim)
+    adm = admission([a], clock=clock)
+    l1 = await adm.acquire()
+    l2 = await adm.acquire()
+    clock.advance(0.5)
+    l1.release()  # window (1 s) not complete: nothing fed
+    assert lim.windows == []
+    clock.advance(0.6)
+    a.stats.observe_tokens(50)
+    l2.release()
+    assert len(lim.windows) == 1
+    w = lim.windows[0]
+    assert w.duration == pytest.approx(1.1) and w.tokens == 50
+    # in flight 2 for 0.5 s, then 1 for 0.6 s
+    assert w.in_flight == pytest.approx((2 * 0.5 + 1 * 0.6) / 1.1)
+    assert w.at_limit == pytest.approx(0.5 / 1.1)
+    assert w.limit == 2 and lim.limit == 3
+    # the new limit is what the next window integrates against
+    clock.advance(1.0)
+    a.stats.observe_tokens(1)
+    adm.wake()
+    await adm.acquire()
+    assert lim.windows[-1].limit == 3
+
+
+async def test_control_loop_runs_and_stops():
+    a = FakeBackend("a", 1)
+    adm = admission([a], control_interval_s=0.01)
+    task = adm.start()
+    assert adm.start() is task
+    await asyncio.sleep(0.03)
+    await adm.close()
+    assert task.done()
+
+
+async def test_snapshot_reports_depth_waits_and_rejections():
+    a = FakeBackend("a", 1)
+    adm = admission([a])
+    seen = []
+    adm.on_wait = lambda p, w, outcome: seen.append((p, outcome))
+    lease = await adm.acquire()
+    waiter = asyncio.create_task(adm.acquire(priority="batch"))
+    await settle()
+    snap = adm.snapshot()
+    assert snap["depth"] == 1 and snap["classes"]["batch"]["depth"] == 1
+    lease.release()
+    await waiter
+    snap = adm.snapshot()
+    assert snap["classes"]["batch"]["admitted"] == 1 and snap["classes"]["batch"]["queued"] == 1
+    assert snap["classes"]["batch"]["wait_s_p50"] is not None
+    assert seen == [("batch", "admitted")]
+    assert set(snap["rejections"]) >= {
+        "queue_full",
+        "queue_timeout",
+        "no_healthy_backend",
+        "client_gone",
+    }

@@ -1,0 +1,114 @@
+"""Routing policies rank candidates; admission binds. Duck-typed backends, no server."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from adapt_fakes import FakeBackend, FakeClock
+
+from proxy.policies import (
+    LeastInFlight,
+    P2CPeakEwma,
+    RoutingSettings,
+    make_policy,
+)
+
+
+def measured(name, *, ttft, itl, limit=32, in_flight=0, clock=None, out=100):
+    b = FakeBackend(name, limit, clock=clock)
+    b.stats.observe_ttft(ttft)
+    b.stats.observe_itl(itl, 10)
+    b.stats.observe_completion(True, output_tokens=out)
+    b.in_flight = in_flight
+    return b
+
+
+def test_make_policy_by_name_and_settings():
+    for name in ("round_robin", "least_in_flight", "p2c_peak_ewma", "latency"):
+        assert make_policy(name).name == name
+    assert make_policy(RoutingSettings()).name == "latency"
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random")
+
+
+def test_round_robin_is_weighted_and_smooth():
+    a, b = FakeBackend("a", weight=3), FakeBackend("b", weight=1)
+    rr = make_policy("round_robin")
+    picks = [rr.pick([a, b]).name for _ in range(8)]
+    assert Counter(picks) == {"a": 6, "b": 2}
+    assert picks[:4].count("b") == 1  # interleaved, not a a a b in bursts of weight
+    # A candidate set that changes (one backend full) still works.
+    assert rr.pick([b]) is b
+
+
+def test_least_in_flight_prefers_fewer_and_rotates_ties():
+    a, b, c = FakeBackend("a"), FakeBackend("b"), FakeBackend("c")
+    a.in_flight, b.in_flight, c.in_flight = 3, 1, 1
+    lif = LeastInFlight()
+    picks = {lif.pick([a, b, c]).name for _ in range(6)}
+    assert picks == {"b", "c"}
+
+
+def test_p2c_peak_ewma_avoids_the_slow_backend():
+    clock = FakeClock()
+    fast = measured("fast", ttft=0.1, itl=0.02, clock=clock)
+    slow = measured("slow", ttft=1.0, itl=0.02, clock=clock)
+    p2c = P2CPeakEwma(seed=1)
+    assert all(p2c.pick([fast, slow]) is fast for _ in range(20))
+    # ... unless the fast one is that much busier: cost = ewma x (in_flight + 1)
+    fast.in_flight = 20
+    assert p2c.pick([fast, slow]) is slow
+
+
+def test_peak_ewma_adopts_peaks_at_once_and_decays_slowly():
+    clock = FakeClock()
+    b = measured("b", ttft=0.1, itl=0.02, clock=clock)
+    b.stats.observe_ttft(2.0)
+    assert b.stats.ttft == 2.0
+    clock.advance(1.0)
+    b.stats.observe_ttft(0.1)
+    assert 1.0 < b.stats.ttft < 2.0  # decays toward 0.1 over ~10 s, not at once
+
+
+def test_errors_and_429s_count_as_slow():
+    clock = FakeClock()
+    good = measured("good", ttft=0.2, itl=0.02, clock=clock)
+    failing = measured("failing", ttft=0.05, itl=0.02, clock=clock)
+    for _ in range(3):
+        failing.stats.observe_completion(False, "http_429", 0.001)
+    assert failing.stats.ttft > good.stats.ttft
+    assert not failing.stats.trusted
+    for name in ("p2c_peak_ewma", "latency"):
+        pol = make_policy(name, seed=3)
+        assert all(pol.pick([good, failing]) is good for _ in range(10))
+
+
+def test_latency_prefers_the_soonest_completion():
+    clock = FakeClock()
+    # tp-like: fast per token; pp-like: slow per token but deep; both with free slots.
+    tp = measured("tp", ttft=0.1, itl=0.03, limit=32, clock=clock)
+    pp = measured("pp", ttft=0.1, itl=0.05, limit=64, clock=clock)
+    lat = make_policy("latency")
+    assert lat.pick([tp, pp]) is tp
+    # Once tp would be past its knee the slowdown term moves traffic to pp.
+    tp.in_flight = 60
+    assert lat.pick([tp, pp]) is pp
+
+
+def test_latency_probes_a_new_backend_first():
+    clock = FakeClock()
+    known = measured("known", ttft=0.1, itl=0.02, clock=clock)
+    new = FakeBackend("new", trusted=False, clock=clock)
+    assert make_policy("latency").pick([known, new]) is new
+    assert make_policy("p2c_peak_ewma", seed=0).pick([known, new]) is new
+
+
+def test_latency_exact_ties_spread():
+    a = measured("a", ttft=0.1, itl=0.02)
+    b = measured("b", ttft=0.1, itl=0.02)
+    # Same clock-free numbers: identical estimates -> rotation spreads them.
+    b.stats.ttft_ewma.value = a.stats.ttft_ewma.value
+    b.stats.itl_ewma.value = a.stats.itl_ewma.value
+    lat = make_policy("latency")
+    assert {lat.pick([a, b]).name for _ in range(4)} == {"a", "b"}
