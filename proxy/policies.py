@@ -141,9 +141,9 @@ class Latency:
 
 def make_policy(name: str | RoutingSettings = "latency", **kwargs: Any) -> Policy:
     """Build a policy by name (or from ``RoutingSettings``)."""
-    if isinstance(name, RoutingSettings):
-        kwargs.setdefault("seed", name.seed)
-        kwargs.setdefault("default_output_tokens", name.default_output_tokens)
+    if not isinstance(name, str):  # RoutingSettings (or anything shaped like it)
+        kwargs.setdefault("seed", getattr(name, "seed", None))
+        kwargs.setdefault("default_output_tokens", getattr(name, "default_output_tokens", 128))
         name = name.policy
     if name == "round_robin":
         return RoundRobin()
