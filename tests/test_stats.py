@@ -376,3 +376,10 @@ def test_compare_levels_absolute_and_relative_change():
     errors = changes["errors"]
     assert errors.a == 0 and errors.percent is None and errors.better is None
     assert changes["goodput"].delta is not None
+
+
+def test_level_without_records_is_empty_not_an_error():
+    s = summarize_level([], concurrency=4, window=(0.0, 1.0), slo={"ttft": 1.0})
+    assert (s.requests, s.completed, s.output_tok_s, s.achieved_concurrency) == (0, 0, 0.0, 0.0)
+    assert s.span is None and s.ttft.count == 0 and s.good == 0 and s.slo_attainment is None
+    assert LevelSummary.from_dict(s.to_dict()) == s
