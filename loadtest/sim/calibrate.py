@@ -88,7 +88,7 @@ def closed_loop(
         g = GenRequest(f"c{counter}", input_len, output_len, ignore_eos=ignore_eos)
         sched.submit(g, sched._now)
 
-    sched = Scheduler(p, seed=seed, emit=emit)
+    sched = Scheduler(p, seed=seed, emit=emit, make_ids=False)
     for _ in range(concurrency):
         new_client()
     running_area = queued_area = 0.0

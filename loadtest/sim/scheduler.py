@@ -186,8 +186,11 @@ def handoff_ms(profile: Profile, tokens: int) -> float:
 class Scheduler:
     """Continuous batching over slots; see the module docstring."""
 
-    def __init__(self, profile: Profile, seed: int = 0, emit: EmitFn | None = None) -> None:
+    def __init__(
+        self, profile: Profile, seed: int = 0, emit: EmitFn | None = None, make_ids: bool = True
+    ) -> None:
         self.profile = profile
+        self.make_ids = make_ids  # False: emit placeholder ids (calibration needs counts only)
         self.seed = seed
         self.emit: EmitFn = emit or (lambda req, ids, fin: None)
         self.num_slots = profile.num_slots
@@ -353,10 +356,9 @@ class Scheduler:
             done = req.generated >= req.target
             if done and req.finish_type == "stop":
                 ids = [EOS_TOKEN_ID]
-                req.source.take(1)  # keep the stream position consistent
                 fin = Finish("stop", matched=EOS_TOKEN_ID)
             else:
-                ids = req.source.take(1)
+                ids = req.source.take(1) if self.make_ids else [0]
                 fin = Finish("length", length=req.generated) if done else None
             if fin is None:
                 self.emit(req, ids, None)
@@ -410,7 +412,7 @@ class Scheduler:
                 n = min(q.prefill_left, budget)
                 chunks.append((q, n))
                 budget -= n
-        if not retracted and budget > 0:
+        if not retracted and budget > 0 and self.waiting:
             reserve = self._reserve()
             while self.waiting and budget > 0:
                 if len(slot) >= self.cap or self.num_running >= p.max_running_requests:
