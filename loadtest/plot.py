@@ -127,6 +127,7 @@ def plot_sweep(
     ax_knee.set_ylabel("TPOT (ms)")
     ax_knee.set_title("latency vs throughput")
     ax_knee.grid(True, alpha=0.3)
+    ax_knee.margins(x=0.1, y=0.1)  # room for the C=... labels
     for ax in (ax_ttft, ax_tpot, ax_knee):
         ax.legend(fontsize=8)
     if title:
