@@ -131,12 +131,17 @@ class Measure:
     itl: float | None
     ttft: float | None
     at: float
+    slack: bool = False  # demand did not fill the limit; ``level`` is the in-flight count used
 
     @staticmethod
     def of(level: int, windows: list[Window], external: float = 0.0) -> Measure:
         span = sum(w.duration for w in windows) or 1e-9
         tps = sum(w.tokens for w in windows) / span
         ours = sum(w.in_flight * w.duration for w in windows) / span
+        slack = ours < SLACK * level
+        if slack:
+            # Demand did not fill the limit: what was measured is the in-flight count used.
+            level = max(1, math.ceil(ours))
         total = ours + external
         if ours > 0:
             tps *= total / ours
@@ -144,7 +149,11 @@ class Measure:
         itl = sum(x * n for x, n in itls) / sum(n for _, n in itls) if itls else None
         ttfts = [w.ttft for w in windows if w.ttft is not None]
         ttft = sum(ttfts) / len(ttfts) if ttfts else None
-        return Measure(level, max(total, 1e-9), tps, itl, ttft, windows[-1].end)
+        return Measure(level, max(total, 1e-9), tps, itl, ttft, windows[-1].end, slack)
+
+
+#: a window whose average in-flight stays below this fraction of the limit was demand-limited
+SLACK = 0.8
 
 
 def _rose(now: float | None, ref: float | None, tol: float) -> bool:
@@ -231,8 +240,12 @@ class AdaptiveLimit:
         if self._settle > 0:
             self._settle -= 1
             return
-        if not self._demand_bound(window) or window.in_flight > window.limit * 1.1 + 1:
-            # Too little demand to learn anything, or still draining down to a lower limit.
+        if window.in_flight > window.limit * 1.1 + 1:
+            self._windows.clear()  # still draining down to a lower limit
+            return
+        if not self._demand_bound(window) and self._phase not in ("climb", "probe_up"):
+            # Too little demand to learn anything at the knee. (While climbing, a window that
+            # did not fill the limit still tells how many requests there are to serve.)
             self._windows.clear()
             return
         if window.tokens <= 0:
@@ -274,6 +287,17 @@ class AdaptiveLimit:
 
     def _on_up(self, m: Measure) -> None:
         ref = self._ref
+        if m.slack and ref is None:
+            return  # too little demand to start learning: leave the limit alone
+        if m.slack and m.in_flight <= ref.in_flight * 1.02 + 0.5:
+            # The extra slots were not used: demand, not the backend, limits here. Hold at the
+            # measured level plus a half step of headroom for demand to grow into.
+            used = math.ceil(m.in_flight)
+            keep = max(ref.level, min(self._limit, used + max(1, round(used * self.s.step / 2))))
+            level = self._limit
+            self._hold_at(ref, "", log=False)
+            self._set(keep, m.at, f"{ref.level}->{level}: demand-limited at {used}; hold {keep}")
+            return
         if ref is None or ref.level >= m.level or ref.in_flight >= m.in_flight:
             self._ref = m
             self._climb_from(m, "measured; climb")
@@ -373,7 +397,7 @@ class AdaptiveLimit:
         self._phase = "climb"
         self._set(nxt, m.at, why)
 
-    def _hold_at(self, m: Measure, why: str) -> None:
+    def _hold_at(self, m: Measure, why: str, *, log: bool = True) -> None:
         self._knee = m.level
         self._baseline = (
             m if self._baseline is None or self._baseline.level != m.level else (self._baseline)
@@ -384,7 +408,8 @@ class AdaptiveLimit:
         self._probe_up_next = False
         self._step = self.s.step
         self._doubling = False
-        self._set(m.level, m.at, why)
+        if log:
+            self._set(m.level, m.at, why)
 
     # ---- congestion --------------------------------------------------------------------
 
@@ -422,7 +447,7 @@ class AdaptiveLimit:
     # ---- helpers -----------------------------------------------------------------------
 
     def _demand_bound(self, w: Window) -> bool:
-        return w.at_limit >= 0.5 or w.in_flight >= 0.8 * max(w.limit, 1)
+        return w.at_limit >= 0.5 or w.in_flight >= SLACK * max(w.limit, 1)
 
     def _up(self, level: int, frac: float) -> int:
         return self._clamp(level + max(1, round(level * frac)))

@@ -179,3 +179,12 @@ def test_snapshot_exposes_limit_knee_and_baselines():
     ):
         assert key in snap
     assert snap["limit"] == lim.limit and snap["baseline_itl_s"] is not None
+
+
+def test_a_climb_that_outruns_demand_settles_just_above_it():
+    """64 clients in front of a backend whose knee is higher: hold near 64, not at 128."""
+    lim = adaptive(floor=8)
+    history = drive(lim, KneeModel(knee=200, seed=18, demand=64), 90)
+    assert 64 <= lim.limit <= 80
+    assert 60 <= lim.knee <= 80
+    assert max(history[-30:]) <= 90
