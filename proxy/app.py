@@ -32,6 +32,7 @@ from proxy.forward import Forwarder
 from proxy.health import Health
 from proxy.metrics import CONTENT_TYPE, Metrics
 from proxy.policies import make_policy
+from proxy.scrape import Scraper
 from proxy.settings import BackendSettings, Settings
 from proxy.sse import Api
 
@@ -94,6 +95,7 @@ class Proxy:
             self.pool.add(b)
         self.session: aiohttp.ClientSession | None = None
         self.health: Health | None = None
+        self.scraper: Scraper | None = None
         self.forwarder: Forwarder | None = None
         self.draining = False
         self._tasks: list[asyncio.Task] = []
@@ -133,6 +135,11 @@ class Proxy:
                 await self.health.check_all()
         self.health.start()
         self.admission.start()
+        # ADAPT: scrape each backend's SGLang gauges (the limits' confirming signal).
+        self.scraper = Scraper(
+            self.pool, s.scrape, session=self.session, on_scrape=lambda _b: self.admission.wake()
+        )
+        self.scraper.start()
         self._tasks.append(asyncio.create_task(self._lag_loop(), name="pipefill-lag"))
 
     async def stop(self) -> None:
@@ -145,6 +152,8 @@ class Proxy:
         if self.health is not None:
             await self.health.stop()
         await self.admission.close()
+        if self.scraper is not None:
+            await self.scraper.close()
         if self.session is not None:
             await self.session.close()
 

@@ -23,6 +23,7 @@ from pydantic_settings import (
 from proxy.admission import QueueSettings
 from proxy.limits import LimitSettings
 from proxy.policies import RoutingSettings
+from proxy.scrape import ScrapeSettings
 
 
 class Section(BaseModel):
@@ -128,6 +129,7 @@ class Settings(BaseSettings):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     queue: QueueSettings = Field(default_factory=QueueSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
+    scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     backends: list[BackendSettings] = Field(default_factory=list)
 
     @model_validator(mode="after")
