@@ -15,7 +15,6 @@ from pathlib import Path
 
 import aiohttp
 import openai
-import orjson
 import pytest
 from conftest import free_port
 
@@ -275,7 +274,6 @@ async def test_sigterm_drains_streams_in_flight(sims, tmp_path):
                     pass
             body = await resp.read()  # ... but the stream in flight finishes
             assert body.endswith(b"data: [DONE]\n\n")
-            assert b'"completion_tokens":300' not in body or True
         assert px.proc.wait(10) == 0
         assert time.monotonic() - t0 < 10
 
@@ -337,7 +335,9 @@ def test_loadtest_run_through_the_proxy(sims, tmp_path):
         )  # fmt: skip
         assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
-    assert data["levels"][0]["completed"] if "completed" in data["levels"][0] else True
+    level = data["levels"][0]
+    assert level["completed"] >= 1 and level["failed"] == 0 and not level["errors_all"], level
+    assert level["token_mismatch"] == 0 and level["usage_missing"] == 0
 
 
 def test_bad_config_fails_at_start_naming_the_field(tmp_path):
@@ -367,4 +367,3 @@ def test_bad_config_fails_at_start_naming_the_field(tmp_path):
         env={**os.environ, "PIPEFILL_SERVER__PORT": "x"},
     )
     assert r.returncode == 2 and "server.port" in r.stderr
-    _ = orjson
