@@ -30,7 +30,7 @@ from proxy.backends import Backend, BackendPool, State, default_limit_factory
 from proxy.errors import JSON, error_response
 from proxy.forward import Forwarder
 from proxy.health import Health
-from proxy.metrics import CONTENT_TYPE, Metrics
+from proxy.metrics import CONTENT_TYPE, Metrics, register_adapt_metrics
 from proxy.policies import make_policy
 from proxy.scrape import Scraper
 from proxy.settings import BackendSettings, Settings
@@ -91,6 +91,7 @@ class Proxy:
             self.pool, self.policy, settings.queue, probe_in_flight=settings.routing.probe_in_flight
         )
         self.pool.listeners.append(lambda _b: self.admission.wake())
+        register_adapt_metrics(self.metrics, self.pool.all, self.admission)
         for b in settings.backends:
             self.pool.add(b)
         self.session: aiohttp.ClientSession | None = None

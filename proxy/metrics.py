@@ -9,6 +9,7 @@ Each metric is documented in docs/proxy.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,7 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from proxy.backends import Backend, State
@@ -166,3 +167,107 @@ class Metrics:
 
 
 # ---- ADAPT: admission/limit metrics may be appended below this line ------------------------
+
+
+class _AdaptCollector(Collector):
+    """Per-backend limit/knee/latency/scrape state and the proxy queue, read at scrape time."""
+
+    def __init__(self, backends: Callable[[], Iterable[Backend]], admission: Any) -> None:
+        self._backends = backends
+        self._admission = admission
+
+    def collect(self):
+        def gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        be = ["backend"]
+        knee = gauge(
+            "pipefill_backend_knee", "Estimated knee: in flight where throughput stops growing", be
+        )
+        base_itl = gauge(
+            "pipefill_backend_baseline_itl_seconds", "ITL measured when the knee was chosen", be
+        )
+        base_ttft = gauge(
+            "pipefill_backend_baseline_ttft_seconds", "TTFT measured when the knee was chosen", be
+        )
+        itl = gauge("pipefill_backend_itl_seconds", "Current ITL (EWMA, seconds per token)", be)
+        ttft = gauge("pipefill_backend_ttft_seconds", "Current TTFT (peak EWMA; errors count)", be)
+        tps = gauge("pipefill_backend_tokens_per_second", "Output tokens/s over the last 10 s", be)
+        ext = gauge(
+            "pipefill_backend_external_in_flight",
+            "Requests at the backend not sent by this proxy (scraped running+queued - ours)",
+            be,
+        )
+        sq = gauge(
+            "pipefill_backend_scraped_queue_reqs", "sglang:num_queue_reqs (sum of ranks)", be
+        )
+        sr = gauge(
+            "pipefill_backend_scraped_running_reqs", "sglang:num_running_reqs (sum of ranks)", be
+        )
+        su = gauge("pipefill_backend_scraped_token_usage", "sglang:token_usage (fullest rank)", be)
+        age = gauge("pipefill_backend_scrape_age_seconds", "Age of the last successful scrape", be)
+        stale = gauge("pipefill_backend_scrape_stale", "1 if scraped metrics are stale", be)
+        for b in self._backends():
+            n = [b.name]
+            snap = b.limit.snapshot() if hasattr(b.limit, "snapshot") else {}
+            k = getattr(b.limit, "knee", None)
+            if k is not None:
+                knee.add_metric(n, k)
+            for fam, key in ((base_itl, "baseline_itl_s"), (base_ttft, "baseline_ttft_s")):
+                if snap.get(key) is not None:
+                    fam.add_metric(n, snap[key])
+            if snap.get("external_in_flight") is not None:
+                ext.add_metric(n, snap["external_in_flight"])
+            st = b.stats
+            if st.itl is not None:
+                itl.add_metric(n, st.itl)
+            if st.ttft is not None:
+                ttft.add_metric(n, st.ttft)
+            tps.add_metric(n, st.tokens_per_s)
+            sc = st.scrape
+            for fam, value in ((sq, sc.queue_reqs), (sr, sc.running_reqs), (su, sc.token_usage)):
+                if value is not None:
+                    fam.add_metric(n, value)
+            a = st.scrape_age()
+            if a is not None:
+                age.add_metric(n, a)
+            if sc.attempted_at is not None:
+                stale.add_metric(n, 1.0 if st.scrape_stale() else 0.0)
+        yield from (knee, base_itl, base_ttft, itl, ttft, tps, ext, sq, sr, su, age, stale)
+
+        adm = self._admission
+        depth = gauge("pipefill_queue_depth", "Requests waiting in the proxy's queue", ["class"])
+        oldest = gauge(
+            "pipefill_queue_oldest_wait_seconds", "Wait of the oldest queued request", ["class"]
+        )
+        for cls, d in adm.depth_by_class().items():
+            depth.add_metric([cls], d)
+            oldest.add_metric([cls], adm.oldest_wait_s(cls))
+        gone = CounterMetricFamily(
+            "pipefill_queue_rejections",
+            "Requests that left the queue without a backend, by reason "
+            "(queue_full, queue_timeout, no_healthy_backend, client_gone)",
+            labels=["reason"],
+        )
+        for reason, count in adm.rejections.items():
+            gone.add_metric([reason], count)
+        yield from (depth, oldest, gone)
+
+
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+def register_adapt_metrics(
+    metrics: Metrics, backends: Callable[[], Iterable[Backend]], admission: Any
+) -> None:
+    """Add limit/knee/scrape gauges and queue metrics to ``metrics.registry``; hook the queue's
+    wait observations into ``pipefill_queue_wait_seconds{class,outcome}``."""
+    metrics.registry.register(_AdaptCollector(backends, admission))
+    wait = Histogram(
+        "pipefill_queue_wait_seconds",
+        "Time requests waited in the proxy's queue, by class and outcome",
+        ["class", "outcome"],
+        buckets=QUEUE_WAIT_BUCKETS,
+        registry=metrics.registry,
+    )
+    admission.on_wait = lambda cls, waited, outcome: wait.labels(cls, outcome).observe(waited)
