@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from loadtest.sim.http_util import generate_error, json_response, read_json
+from loadtest.sim.http_util import BACKEND, generate_error, json_response, read_json
 
 
 def add_routes(app: web.Application) -> None:
@@ -19,14 +19,14 @@ def add_routes(app: web.Application) -> None:
 
 
 async def get_faults(request: web.Request) -> web.Response:
-    return json_response(request.app["backend"].faults.snapshot())
+    return json_response(request.app[BACKEND].faults.snapshot())
 
 
 async def post_faults(request: web.Request) -> web.Response:
     body, err = await read_json(request)
     if err is not None:
         return err
-    faults = request.app["backend"].faults
+    faults = request.app[BACKEND].faults
     try:
         faults.update(body)
     except ValueError as exc:
@@ -35,6 +35,6 @@ async def post_faults(request: web.Request) -> web.Response:
 
 
 async def delete_faults(request: web.Request) -> web.Response:
-    faults = request.app["backend"].faults
+    faults = request.app[BACKEND].faults
     faults.reset()
     return json_response(faults.snapshot())

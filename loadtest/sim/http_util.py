@@ -8,6 +8,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+# the app's SimBackend (typed loosely to keep this module free of server imports)
+BACKEND: web.AppKey[Any] = web.AppKey("backend", object)
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE_EVENT = b"data: [DONE]\n\n"
 

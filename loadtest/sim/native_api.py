@@ -20,6 +20,7 @@ from loadtest.sim import tokens
 from loadtest.sim.engine import GenRequest
 from loadtest.sim.generation import Generation, RequestError, Step, parse_stop, validate_lengths
 from loadtest.sim.http_util import (
+    BACKEND,
     CONTENT_TYPE_METRICS,
     DONE_EVENT,
     generate_error,
@@ -90,7 +91,7 @@ def _int_or_none(params: dict, key: str) -> int | None:
 
 
 def _gens(request: web.Request, body: dict) -> tuple[list[Generation], bool]:
-    backend = request.app["backend"]
+    backend = request.app[BACKEND]
     counts, single = _prompts(body)
     params = body.get("sampling_params") or {}
     plist = params if isinstance(params, list) else [params] * len(counts)
@@ -184,7 +185,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return err
     if not isinstance(body, dict):
         return generate_error("The request body must be a JSON object.")
-    backend = request.app["backend"]
+    backend = request.app[BACKEND]
     try:
         gens, single = _gens(request, body)
     except RequestError as exc:
@@ -226,13 +227,13 @@ async def _health_gate(backend) -> bool:
 
 
 async def health(request: web.Request) -> web.Response:
-    ok = await _health_gate(request.app["backend"])
+    ok = await _health_gate(request.app[BACKEND])
     return web.Response(status=200 if ok else 503)
 
 
 async def health_generate(request: web.Request) -> web.Response:
     """Like SGLang's: runs a one-token generation through the engine (20 s timeout)."""
-    backend = request.app["backend"]
+    backend = request.app[BACKEND]
     if not await _health_gate(backend):
         return web.Response(status=503)
     rid = f"HEALTH_CHECK_{time.time()}"
@@ -274,7 +275,7 @@ def _model_info(backend) -> dict:
 
 
 async def model_info(request: web.Request) -> web.Response:
-    return json_response(_model_info(request.app["backend"]))
+    return json_response(_model_info(request.app[BACKEND]))
 
 
 def server_args(backend) -> dict:
@@ -307,7 +308,7 @@ def server_args(backend) -> dict:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    backend = request.app["backend"]
+    backend = request.app[BACKEND]
     p = backend.profile
     logged = backend.engine.logged_stats()
     info = {
@@ -328,7 +329,7 @@ async def server_info(request: web.Request) -> web.Response:
 
 async def get_load(request: web.Request) -> web.Response:
     """One entry per DP rank, from the engine's true current state."""
-    rows = request.app["backend"].engine.get_load()
+    rows = request.app[BACKEND].engine.get_load()
     tic = time.perf_counter()
     return json_response([{**row, "ts_tic": tic} for row in rows])
 
@@ -338,7 +339,7 @@ async def abort_request(request: web.Request) -> web.Response:
     if err is not None:
         return err
     body = body if isinstance(body, dict) else {}
-    engine = request.app["backend"].engine
+    engine = request.app[BACKEND].engine
     if body.get("abort_all"):
         engine.abort_all()
     elif body.get("rid"):
@@ -347,11 +348,11 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    live = request.app["backend"].engine.live_stats()
+    live = request.app[BACKEND].engine.live_stats()
     busy = stat(live, "num_running_reqs") or stat(live, "num_queue_reqs")
     return web.Response(text=FLUSH_MESSAGE, status=400 if busy else 200)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app["backend"].metrics.render()
+    body = request.app[BACKEND].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_METRICS})

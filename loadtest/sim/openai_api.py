@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from loadtest.sim import tokens
 from loadtest.sim.generation import Generation, RequestError, Step, parse_stop, validate_lengths
 from loadtest.sim.http_util import (
+    BACKEND,
     DONE_EVENT,
     http_exception,
     json_response,
@@ -82,11 +83,11 @@ def _card(backend) -> dict:
 
 
 async def models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [_card(request.app["backend"])]})
+    return json_response({"object": "list", "data": [_card(request.app[BACKEND])]})
 
 
 async def model_card(request: web.Request) -> web.Response:
-    backend = request.app["backend"]
+    backend = request.app[BACKEND]
     name = request.match_info["model"]
     if name != backend.model_name:
         return json_response(
@@ -131,7 +132,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req, err = await _parse(request, ChatCompletionRequest)
     if err is not None:
         return err
-    backend = request.app["backend"]
+    backend = request.app[BACKEND]
     prompt_tokens = tokens.chat_prompt_tokens(req.messages)
     return await _serve(request, backend, "chat", req, prompt_tokens, req.max_completion_tokens)
 
@@ -140,7 +141,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req, err = await _parse(request, CompletionRequest)
     if err is not None:
         return err
-    backend = request.app["backend"]
+    backend = request.app[BACKEND]
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:

@@ -27,6 +27,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from loadtest.sim.clock import WallClock
 from loadtest.sim.engine import Engine
 from loadtest.sim.faults import FaultConfig, Faults
+from loadtest.sim.http_util import BACKEND
 from loadtest.sim.profiles import Profile
 from loadtest.sim.prom import SimMetrics
 
@@ -91,7 +92,7 @@ def build_app(backend: SimBackend) -> web.Application:
     from loadtest.sim import faults_api, native_api, openai_api
 
     app = web.Application(client_max_size=MAX_BODY)
-    app["backend"] = backend
+    app[BACKEND] = backend
     openai_api.add_routes(app)
     native_api.add_routes(app)
     faults_api.add_routes(app)
