@@ -11,6 +11,8 @@ Used by tests/test_sim_calibration.py, docs/simulator-engine.md, and
 from __future__ import annotations
 
 import argparse
+import heapq
+import random
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -63,11 +65,15 @@ def closed_loop(
     warmup_s: float | None = None,
     ignore_eos: bool = True,
     seed: int = 0,
+    think_s: float = 0.0,
+    jitter_s: float = 0.0,
 ) -> LoopResult:
     """Run `concurrency` closed-loop clients against a fresh engine in virtual time.
 
     duration_s defaults to long enough for ~4 generations of each client after a warmup of
     about one generation, so the window sees requests at every stage of their life.
+    A client sends its next request `think_s` + uniform(0, `jitter_s`) after the previous
+    one finished (and its first one after uniform(0, jitter_s)); 0/0 = the same instant.
     """
     p = load_profile(profile) if isinstance(profile, str) else profile
     done: list[Req] = []
@@ -80,7 +86,13 @@ def closed_loop(
             tokens_at.append((sched._now, len(ids)))
         if finish is not None:
             done.append(req)
+            schedule_client(sched._now + think_s)
+
+    def schedule_client(t: float) -> None:
+        if think_s == 0.0 and jitter_s == 0.0:
             new_client()
+        else:
+            heapq.heappush(arrivals, t + rng.uniform(0.0, jitter_s))
 
     def new_client() -> None:
         nonlocal counter
@@ -88,14 +100,23 @@ def closed_loop(
         g = GenRequest(f"c{counter}", input_len, output_len, ignore_eos=ignore_eos)
         sched.submit(g, sched._now)
 
+    rng = random.Random(seed)
+    arrivals: list[float] = []
     sched = Scheduler(p, seed=seed, emit=emit, make_ids=False)
     for _ in range(concurrency):
-        new_client()
+        if jitter_s == 0.0:
+            new_client()
+        else:
+            heapq.heappush(arrivals, rng.uniform(0.0, jitter_s))
     running_area = queued_area = 0.0
     t_prev = 0.0
     t_start = t_end = None
     while True:
         t = sched.next_time()
+        if arrivals and (t is None or arrivals[0] <= t):
+            t = heapq.heappop(arrivals)
+            sched.advance(t)
+            new_client()
         if t is None:
             break
         if t_start is not None and t_end is not None:  # time-average over the window only

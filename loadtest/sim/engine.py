@@ -169,7 +169,7 @@ class Engine:
         now = self._now()
         req = self.scheduler.submit(request, now)
         stream = RequestStream(self, req)
-        if req.state == "done":  # rejected at once
+        if req.state == "done":  # rejected at once (no room ever, duplicate rid)
             stream._push([], req.finish)
             return stream
         self._streams[req.rid] = stream

@@ -219,10 +219,8 @@ class Scheduler:
 
     # --- requests ---------------------------------------------------------------------------
     def submit(self, g: GenRequest, now: float) -> Req:
-        """Queue a request (never blocks). Its rid must be unique among live requests."""
+        """Queue a request (never blocks). A rid already live is rejected (abort, 400)."""
         self._now = max(self._now, now)
-        if g.rid in self.reqs:
-            raise ValueError(f"duplicate request id {g.rid!r}")
         key = g.seed_key if g.seed_key is not None else g.rid
         target, ftype = self._target_length(g, key)
         req = Req(
@@ -235,6 +233,15 @@ class Scheduler:
             source=TokenSource(self.seed, key),
             cached_tokens=min(max(int(g.cached_tokens), 0), max(int(g.prompt_tokens) - 1, 0)),
         )
+        if req.rid in self.reqs:  # SGLang rejects a live duplicate rid; never registered
+            req.state = "done"
+            req.finish = Finish(
+                "abort",
+                message=f"Duplicate request ID: {req.rid}",
+                status_code=400,
+                err_type="BadRequestError",
+            )
+            return req
         self.reqs[req.rid] = req
         if req.prompt_tokens + 1 > self.profile.max_total_tokens:
             self._finish(
@@ -338,7 +345,7 @@ class Scheduler:
     # --- passes -----------------------------------------------------------------------------
     def _complete(self, ps: _Pass) -> None:
         del self._in_flight[ps.slot]
-        now = self._now
+        now = ps.t_done  # (== self._now unless the driver fell behind)
         produced = 0
         for req, gets_token in ps.reqs:
             if req.state != "running" or req.slot != ps.slot or not gets_token:
