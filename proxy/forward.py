@@ -410,6 +410,7 @@ class Forwarder:
         out = web.StreamResponse(status=resp.status, headers=headers)
         framer = SSEFramer() if api is not None else None
         counter = TokenCounter(api) if api is not None else None
+        observe = counter.observe if counter is not None else None
         first: float | None = None
         last_tok = 0.0
         failure: str | None = None
@@ -420,19 +421,22 @@ class Forwarder:
                 now = wd.last = monotonic()
                 await write(chunk)
                 if framer is not None:
+                    # Events that arrived in one read arrived together: they count as one
+                    # event carrying all their tokens (one ITL sample of gap / tokens).
+                    n = 0
                     for payload in framer.feed(chunk):
-                        n = counter.observe(payload)  # type: ignore[union-attr]
-                        if n:
-                            if first is None:
-                                first = now
-                                stats.observe_ttft(now - t_send)
-                                bm.ttft.observe(now - t_send)
-                            else:
-                                gap = (now - last_tok) / n
-                                stats.observe_itl(gap, n)
-                                bm.itl.observe(gap)
-                            last_tok = now
-                            stats.observe_tokens(n, now)
+                        n += observe(payload)  # type: ignore[misc]
+                    if n:
+                        if first is None:
+                            first = now
+                            stats.observe_ttft(now - t_send)
+                            bm.ttft.observe(now - t_send)
+                        else:
+                            gap = (now - last_tok) / n
+                            stats.observe_itl(gap, n)
+                            bm.itl.observe(gap)
+                        last_tok = now
+                        stats.observe_tokens(n, now)
                 try:
                     chunk = await content.readany()
                 except (UpstreamError, aiohttp.ClientError, OSError):
