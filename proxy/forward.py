@@ -299,6 +299,8 @@ class Forwarder:
         try:
             if resp.status in self._retry_statuses:
                 return await self._upstream_5xx(b, resp, deadline)
+            if resp.status < 500:
+                b.stats.observe_first_byte()
             ctype = resp.headers.get("Content-Type", "")
             if ctype.startswith("text/event-stream"):
                 return await self._stream(

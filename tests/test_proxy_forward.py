@@ -381,3 +381,17 @@ async def test_half_open_probe_after_passive_ejection():
             await wait_for(lambda: b.state is State.HEALTHY)
     finally:
         await up.stop()
+
+
+async def test_total_timeout_ends_a_long_stream_cleanly():
+    async with fakes(1) as (up,), running_proxy([up.url], timeouts={"total_s": 0.4}) as px:
+        r, body = await _post(
+            px.url + "/v1/chat/completions",
+            {"model": MODEL, "messages": [], "stream": True, "max_tokens": 50},
+            headers={"X-Fake-Delay": "0.05"},
+        )
+        events = [e for e in body.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        err = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
+        assert err["code"] == "upstream_timeout" and "total timeout" in err["message"]
+        await wait_for(lambda: up.running == 0)
