@@ -73,6 +73,7 @@ async def test_chat_stream_sglang_event_order(sim):
     assert role["choices"][0]["delta"]["content"] == ""
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert len({e["id"] for e in events}) == 1
+    assert role["id"].startswith("chatcmpl-")
     # a chunk carries every token generated since the last write (SGLang coalesces too)
     text = "".join(c["choices"][0]["delta"]["content"] for c in contents)
     assert len(text.split()) == 12
@@ -90,6 +91,21 @@ async def test_chat_stream_sglang_event_order(sim):
     n = sum(counter.observe(p) for p in framer.feed(raw))
     assert counter.completion_tokens == 12 and counter.done
     assert n == len(contents)  # without continuous usage a chunk counts as one token
+
+
+async def test_error_after_stream_began_is_an_error_event_then_done(sim):
+    s, backend = sim
+    body = {"messages": MSGS, "max_tokens": 3000, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    async with s.post(CHAT, json=body) as r:
+        assert r.status == 200
+        await r.content.readuntil(b"\n\n")
+        backend.engine.abort_all(message="KV cache exhausted", status_code=503)
+        events = sse_json(await r.read())
+    err = next(e for e in events if "error" in e)["error"]
+    assert err == {"object": "error", "message": "KV cache exhausted",
+                   "type": "SERVICE_UNAVAILABLE", "param": None, "code": 503}  # fmt: skip
+    assert not any(e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
 
 
 async def test_chat_stream_without_usage_option_has_no_usage_chunk(sim):

@@ -178,7 +178,7 @@ async def _serve(
     gen = Generation(
         backend,
         route=api,
-        rid=req.rid or backend.new_rid(),
+        rid=req.rid or f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{backend.new_rid()}",
         prompt_tokens=prompt_tokens,
         max_new_tokens=max_tokens if max_tokens is not None else context - prompt_tokens,
         ignore_eos=req.ignore_eos,

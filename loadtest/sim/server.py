@@ -83,8 +83,8 @@ class SimBackend:
         self.status = "ready"
 
     async def stop(self) -> None:
+        """Not ready any more; live requests finish with a 503 abort."""
         self.status = "shutting_down"
-        self.engine.abort_all()
         await self.engine.stop()
 
 
@@ -139,21 +139,14 @@ async def serve(
             )
             await runner.setup()
             runners.append(runner)
-            await b.engine.start()
-            site = web.TCPSite(runner, b.host, b.port, reuse_address=True)
-            await site.start()
-            b.faults.started_at = time.monotonic()
-            b.status = "ready"
+            await web.TCPSite(runner, b.host, b.port, reuse_address=True).start()
+            await b.start()
         yield backends
     finally:
         for b in backends:
             b.status = "shutting_down"
         for b in backends:
-            try:
-                b.engine.abort_all()
-                await b.engine.stop()
-            except Exception:  # pragma: no cover - shutting down anyway
-                log.debug("engine stop failed", exc_info=True)
+            await b.stop()
         for r in runners:
             await r.cleanup()
 
