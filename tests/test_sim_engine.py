@@ -9,7 +9,7 @@ import pytest
 
 from loadtest.sim import tokens
 from loadtest.sim.clock import VirtualClock, WallClock
-from loadtest.sim.engine import Engine, GenRequest, TokenEvent
+from loadtest.sim.engine import DuplicateRequestError, Engine, GenRequest, TokenEvent
 from loadtest.sim.profiles import PROFILE_DIR, ProfileError, load_profile
 from loadtest.sim.scheduler import Scheduler, step_cost_ms
 
@@ -395,3 +395,14 @@ async def test_get_load_rows_per_dp_rank(make_engine):
     rows = e.get_load()
     assert [r["dp_rank"] for r in rows] == list(range(8))
     assert set(rows[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+
+
+async def test_duplicate_live_rid_rejected(make_engine):
+    e = await make_engine()
+    s = e.submit(GenRequest("dup", 10, 5, ignore_eos=True))
+    with pytest.raises(DuplicateRequestError):
+        e.submit(GenRequest("dup", 10, 5, ignore_eos=True))
+    ids, _ = await collect(s)
+    assert len(ids) == 5
+    ids, _ = await collect(e.submit(GenRequest("dup", 10, 3, ignore_eos=True)))  # finished: ok
+    assert len(ids) == 3

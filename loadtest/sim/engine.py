@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from loadtest.sim.clock import Clock
 from loadtest.sim.profiles import Profile
 from loadtest.sim.scheduler import (
+    DuplicateRequestError,
     EngineCounters,
     EngineStats,
     Finish,
@@ -31,6 +32,7 @@ from loadtest.sim.scheduler import (
 )
 
 __all__ = [
+    "DuplicateRequestError",
     "Engine",
     "EngineCounters",
     "EngineStats",
@@ -165,11 +167,14 @@ class Engine:
 
     # --- requests -------------------------------------------------------------------------
     def submit(self, request: GenRequest) -> RequestStream:
-        """Queue a request and return its token stream (never blocks)."""
+        """Queue a request and return its token stream (never blocks).
+
+        Raises DuplicateRequestError (a ValueError) if `request.rid` is still live.
+        """
         now = self._now()
         req = self.scheduler.submit(request, now)
         stream = RequestStream(self, req)
-        if req.state == "done":  # rejected at once (no room ever, duplicate rid)
+        if req.state == "done":  # rejected at once (a prompt that can never fit the pool)
             stream._push([], req.finish)
             return stream
         self._streams[req.rid] = stream

@@ -40,6 +40,10 @@ from loadtest.sim.tokens import EOS_TOKEN_ID, TokenSource, stable_seed
 FinishType = Literal["length", "stop", "abort"]
 
 
+class DuplicateRequestError(ValueError):
+    """submit() of a rid that is still live (the HTTP layer answers 400)."""
+
+
 @dataclass(slots=True, frozen=True)
 class Finish:
     """Why a request ended, as SGLang's finish_reason (`type` + its detail)."""
@@ -219,7 +223,7 @@ class Scheduler:
 
     # --- requests ---------------------------------------------------------------------------
     def submit(self, g: GenRequest, now: float) -> Req:
-        """Queue a request (never blocks). A rid already live is rejected (abort, 400)."""
+        """Queue a request (never blocks). DuplicateRequestError if the rid is live."""
         self._now = max(self._now, now)
         key = g.seed_key if g.seed_key is not None else g.rid
         target, ftype = self._target_length(g, key)
@@ -233,15 +237,8 @@ class Scheduler:
             source=TokenSource(self.seed, key),
             cached_tokens=min(max(int(g.cached_tokens), 0), max(int(g.prompt_tokens) - 1, 0)),
         )
-        if req.rid in self.reqs:  # SGLang rejects a live duplicate rid; never registered
-            req.state = "done"
-            req.finish = Finish(
-                "abort",
-                message=f"Duplicate request ID: {req.rid}",
-                status_code=400,
-                err_type="BadRequestError",
-            )
-            return req
+        if req.rid in self.reqs:  # SGLang rejects a live duplicate rid
+            raise DuplicateRequestError(f"request id {req.rid!r} is already running")
         self.reqs[req.rid] = req
         if req.prompt_tokens + 1 > self.profile.max_total_tokens:
             self._finish(
