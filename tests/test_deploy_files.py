@@ -221,6 +221,13 @@ def test_entrypoint_is_an_installed_console_script():
     assert tool(command), f"{command!r} is not installed in this environment (pip install -e .)"
 
 
+def test_the_cmd_flags_are_ones_the_proxy_accepts():
+    cli = pytest.importorskip("proxy.cli", reason="proxy/cli.py not written yet")
+    cmd = [exec_form(a) for k, a in final_stage() if k == "CMD"][-1]
+    args = cli.build_parser().parse_args(cmd)  # exits (SystemExit) on an unknown flag
+    assert args.config == config_path_in_image()
+
+
 def test_runs_as_a_non_root_user():
     users = [a for k, a in final_stage() if k == "USER"]
     assert users, "the final stage has no USER"
