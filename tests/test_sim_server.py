@@ -551,3 +551,56 @@ async def test_health_503_while_shutting_down(sim):
     async with s.get("/health") as r:
         assert r.status == 503
     backend.status = "ready"
+
+
+async def test_metrics_gauges_are_stale_like_sglang(sim):
+    s, backend = sim
+    body = {"text": "a b c", "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    async with s.post("/generate", json=body) as r:
+        assert (await r.json())["meta_info"]["completion_tokens"] == 5
+    # fewer than decode_log_interval steps ran: the gauges still show the prefill log point
+    async with s.get("/get_load") as r:
+        assert (await r.json())[0]["num_reqs"] == 0  # the truth
+    async with s.get("/metrics") as r:
+        samples = _samples(await r.text())
+    running_gauge = next(v for k, v in samples.items() if k.startswith("sglang:num_running_reqs{"))
+    assert running_gauge == backend.engine.logged_stats().num_running_reqs == 1
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+
+def test_cli_pairs_profiles_and_ports():
+    import argparse
+
+    from loadtest.cli import CliError
+    from loadtest.sim import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.plan(parser.parse_args([])) == [("pp8", 30000)]
+    args = parser.parse_args(["--profile", "pp8", "--profile", "tp8", "--port", "31000"])
+    assert cli.plan(args) == [("pp8", 31000), ("tp8", 31001)]
+    args = parser.parse_args(["--profile", "pp8", "--port", "5", "--profile", "tp8", "--port", "9"])
+    assert cli.plan(args) == [("pp8", 5), ("tp8", 9)]
+    for bad in (["--profile", "a", "--profile", "b", "--port", "1", "--port", "1"],
+                ["--profile", "a", "--port", "1", "--port", "2", "--port", "3"]):  # fmt: skip
+        with pytest.raises(CliError):
+            cli.plan(parser.parse_args(bad))
+
+
+def test_cli_user_errors_are_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("loadtest")  # the console script, as users run it
+    if not script.exists():
+        pytest.skip("loadtest console script not installed")
+    for argv in (["--profile", "nope"], ["--time-scale", "0"], ["--fault-drop-rate", "7"]):
+        r = subprocess.run(
+            [str(script), "sim", *argv],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert r.returncode != 0
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
