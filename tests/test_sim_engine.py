@@ -406,3 +406,14 @@ async def test_duplicate_live_rid_rejected(make_engine):
     assert len(ids) == 5
     ids, _ = await collect(e.submit(GenRequest("dup", 10, 3, ignore_eos=True)))  # finished: ok
     assert len(ids) == 3
+
+
+async def test_wall_clock_engine_runs_scaled(make_engine):
+    """The same engine on a (very fast) wall clock: exact tokens, several engines at once."""
+    engines = [await make_engine(load_profile(n), clock=WallClock(0.001)) for n in ("tp8", "pp8")]
+    streams = [
+        e.submit(GenRequest(f"w{i}", 50, 40, ignore_eos=True)) for e in engines for i in range(6)
+    ]
+    results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 30)
+    assert all(len(ids) == 40 and last.finish.type == "length" for ids, last in results)
+    assert all(e.live_stats().num_running_reqs == 0 for e in engines)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from dataclasses import dataclass
 
-from loadtest.sim.clock import Clock
+from loadtest.sim.clock import Clock, WallClock
 from loadtest.sim.profiles import Profile
 from loadtest.sim.scheduler import (
     DuplicateRequestError,
@@ -30,6 +31,8 @@ from loadtest.sim.scheduler import (
     Req,
     Scheduler,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DuplicateRequestError",
@@ -140,17 +143,15 @@ class Engine:
         self.scheduler = Scheduler(profile, seed=seed, emit=self._emit)
         self._streams: dict[str, RequestStream] = {}
         self._task: asyncio.Task[None] | None = None
-        self._wake: asyncio.Event | None = None
+        self._wake: asyncio.Future[None] | None = None
         self._planned: float | None = None  # when the loop will next wake by itself
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         if self._task is None or self._task.done():
-            self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name=f"sim-engine-{self.profile.name}"
             )
-            self._wake.set()  # pick up anything submitted before start()
 
     async def stop(self) -> None:
         """Stop the loop and abort every live request (their streams end with 'abort')."""
@@ -237,33 +238,50 @@ class Engine:
 
     def _poke(self) -> None:
         """Wake the loop if the scheduler now has something to do sooner than planned."""
-        if self._wake is None:
+        fut = self._wake
+        if fut is None or fut.done():
             return
         t = self.scheduler.next_time()
         if t is not None and (self._planned is None or t < self._planned):
-            self._wake.set()
+            fut.set_result(None)
 
     async def _run(self) -> None:
-        assert self._wake is not None
-        wake = self._wake
+        loop = asyncio.get_running_loop()
         sched = self.scheduler
+        wall = self.clock if isinstance(self.clock, WallClock) else None
         while True:
-            wake.clear()
-            sched.advance(self._now())
+            self._wake = wake = loop.create_future()
+            try:
+                sched.advance(self._now())
+            except Exception:  # a model bug must not hang every client: fail them, go on
+                log.exception(
+                    "simulated engine %s failed; aborting its requests", self.profile.name
+                )
+                sched.abort_all("internal error in the simulated engine", 500)
             t = sched.next_time()
             self._planned = t
             if t is None:
-                await wake.wait()
+                await wake
                 continue
             delay = t - self.clock.now()
             if delay <= 0:
-                await asyncio.sleep(0)  # let readers run between steps
+                await asyncio.sleep(0)  # let readers run between passes
                 continue
-            sleeper = asyncio.ensure_future(self.clock.sleep(delay))
-            waker = asyncio.ensure_future(wake.wait())
+            if wall is not None:  # one timer, no task per pass
+                timer = loop.call_later(delay * wall.time_scale, _resolve, wake)
+                try:
+                    await wake
+                finally:
+                    timer.cancel()
+                continue
+            sleeper = loop.create_task(self.clock.sleep(delay))
             try:
-                await asyncio.wait((sleeper, waker), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((sleeper, wake), return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for f in (sleeper, waker):
-                    if not f.done():
-                        f.cancel()
+                if not sleeper.done():
+                    sleeper.cancel()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
