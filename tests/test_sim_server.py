@@ -386,6 +386,12 @@ async def test_info_routes(sim):
         loads = await r.json()
     assert len(loads) == backend.profile.dp_size
     assert set(loads[0]) >= {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    async with s.get("/v1/loads") as r:
+        v1 = await r.json()
+    assert v1["loads"][0]["max_total_num_tokens"] == backend.profile.max_total_tokens
+    assert v1["loads"][0]["num_running_reqs"] == 0
+    async with s.get("/v1/loads?format=prometheus") as r:
+        assert 'sglang_token_usage{dp_rank="0"} 0.0' in await r.text()
     for path in ("/health", "/health_generate", "/ping"):
         async with s.get(path) as r:
             assert r.status == 200, path

@@ -52,6 +52,7 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/get_server_info", server_info)
     r.add_get("/server_info", server_info)
     r.add_get("/get_load", get_load)
+    r.add_get("/v1/loads", v1_loads)
     r.add_post("/abort_request", abort_request)
     r.add_route("GET", "/flush_cache", flush_cache)
     r.add_route("POST", "/flush_cache", flush_cache)
@@ -332,6 +333,56 @@ async def get_load(request: web.Request) -> web.Response:
     rows = request.app[BACKEND].engine.get_load()
     tic = time.perf_counter()
     return json_response([{**row, "ts_tic": tic} for row in rows])
+
+
+def _split(total: int, parts: int, rank: int) -> int:
+    return total // parts + (rank < total % parts)
+
+
+async def v1_loads(request: web.Request) -> web.Response:
+    """Newer SGLang's snapshot load report (``?format=prometheus`` for gauges)."""
+    backend = request.app[BACKEND]
+    p = backend.profile
+    live = backend.engine.live_stats()
+    dp = p.dp_size
+    loads = []
+    for rank in range(dp):
+        used = _split(int(stat(live, "num_used_tokens")), dp, rank)
+        total = _split(p.max_total_tokens, dp, rank)
+        loads.append(
+            {
+                "dp_rank": rank,
+                "num_running_reqs": _split(int(stat(live, "num_running_reqs")), dp, rank),
+                "num_waiting_reqs": _split(int(stat(live, "num_queue_reqs")), dp, rank),
+                "num_used_tokens": used,
+                "num_total_tokens": total,
+                "max_total_num_tokens": total,
+                "max_running_requests": _split(p.max_running_requests, dp, rank),
+                "token_usage": used / total if total else 0.0,
+                "gen_throughput": float(stat(live, "gen_throughput")) / dp,
+                "cache_hit_rate": 0.0,
+                "utilization": 0.0,
+            }
+        )
+    if request.query.get("format") == "prometheus":
+        lines = [
+            f'sglang_{key}{{dp_rank="{row["dp_rank"]}"}} {float(value)}'
+            for row in loads
+            for key, value in row.items()
+            if key != "dp_rank"
+        ]
+        return web.Response(
+            text="\n".join(lines) + "\n", headers={"Content-Type": CONTENT_TYPE_METRICS}
+        )
+    return json_response(
+        {
+            "timestamp": time.time(),
+            "version": backend.version,
+            "accelerator": "simulated",
+            "num_accelerators": p.tp_size * p.pp_size,
+            "loads": loads,
+        }
+    )
 
 
 async def abort_request(request: web.Request) -> web.Response:
