@@ -319,6 +319,81 @@ def test_healthcheck_fails_when_nothing_listens(unused_port):
     assert result.returncode != 0
 
 
+class _FakeSGLang(BaseHTTPRequestHandler):
+    """Enough of SGLang for the proxy's health checks and scrapes."""
+
+    def do_GET(self):
+        body = {"/v1/models": b'{"object": "list", "data": []}', "/metrics": b""}.get(
+            self.path.split("?")[0], b"{}"
+        )
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_image_command_serves_its_healthcheck_and_obeys_sighup_and_sigterm(
+    unused_port, tmp_path
+):
+    """Run the proxy as the image does (entry point + CMD + image env, but on 127.0.0.1)."""
+    pytest.importorskip("proxy.cli", reason="proxy/cli.py not written yet")
+    import signal
+    import time
+
+    entry = [exec_form(a) for k, a in final_stage() if k == "ENTRYPOINT"][-1]
+    cmd = [exec_form(a) for k, a in final_stage() if k == "CMD"][-1]
+    config = image_file_source(config_path_in_image())
+    check = exec_form(
+        [a for k, a in final_stage() if k == "HEALTHCHECK"][-1].split(" CMD ", 1)[1].strip()
+    )
+    backend = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
+    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEFILL_")}
+    env.update({k: v for k, v in image_env().items() if k.startswith("PIPEFILL_")})
+    env.update(
+        PIPEFILL_SERVER__HOST="127.0.0.1",  # tests bind loopback only
+        PIPEFILL_SERVER__PORT=str(unused_port),
+        PIPEFILL_HEALTH__INTERVAL_S="0.2",
+        PIPEFILL_HEALTH__HEALTHY_THRESHOLD="1",
+    )
+    args = [tool(entry[0]) or entry[0], *entry[1:], *cmd]
+    args[args.index("--config") + 1] = str(config)
+    args += ["--backend", f"http://127.0.0.1:{backend.server_address[1]}"]
+    log = (tmp_path / "proxy.log").open("wb")
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def healthcheck_until_ok(limit_s: float = 20.0) -> bool:
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end and proc.poll() is None:
+            r = subprocess.run([sys.executable, *check[1:]], env=env, capture_output=True)
+            if r.returncode == 0:
+                return True
+            time.sleep(0.2)
+        return False
+
+    try:
+        assert healthcheck_until_ok(), "HEALTHCHECK never passed against the running proxy"
+        proc.send_signal(signal.SIGHUP)  # systemd ExecReload / docker kill -s HUP
+        time.sleep(0.3)
+        assert proc.poll() is None, "SIGHUP stopped the proxy"
+        assert healthcheck_until_ok(), "unhealthy after SIGHUP"
+        proc.send_signal(signal.SIGTERM)  # docker stop / systemctl stop
+        assert proc.wait(timeout=30) == 0, "SIGTERM with nothing in flight: clean exit"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+        backend.shutdown()
+        backend.server_close()
+    out = (tmp_path / "proxy.log").read_text(errors="replace")
+    assert "Traceback" not in out, out
+
+
 def test_hadolint_is_clean():
     hadolint = tool("hadolint")
     if not hadolint:
