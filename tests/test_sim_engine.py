@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import statistics
 
 import pytest
@@ -358,7 +359,7 @@ async def test_logged_refresh_every_decode_log_interval():
     assert len(log_times) == 1 + 200 // 40
     logged = s.logged_stats()
     assert logged.num_running_reqs == 1 and logged.gen_throughput > 0
-    assert logged.num_used_tokens == 10 + 200  # as of the 200th decode step's launch
+    assert logged.num_used_tokens == 10 + 1 + 200  # prompt, first token, 200 decode passes
 
 
 async def test_idle_engine_does_not_spin(make_engine):
@@ -417,3 +418,47 @@ async def test_wall_clock_engine_runs_scaled(make_engine):
     results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 30)
     assert all(len(ids) == 40 and last.finish.type == "length" for ids, last in results)
     assert all(e.live_stats().num_running_reqs == 0 for e in engines)
+
+
+@pytest.mark.parametrize("profile", [TP8, PP8], ids=["tp8", "pp8"])
+def test_invariants_under_random_load(profile):
+    """Random submits/aborts on a tight pool: KV accounting never drifts or overflows, every
+    request ends exactly once, ignore_eos requests get exactly max_new_tokens."""
+    p = profile.with_overrides(max_total_tokens=3000, new_token_ratio=0.1, chunked_prefill_size=512)
+    rng = random.Random(1)
+    got: dict[str, int] = {}
+    finishes: dict[str, str] = {}
+
+    def emit(req, ids, fin):
+        assert req.rid not in finishes
+        got[req.rid] = got.get(req.rid, 0) + len(ids)
+        if fin is not None:
+            finishes[req.rid] = fin.type
+
+    s = Scheduler(p, seed=2, emit=emit)
+    wanted: dict[str, int] = {}
+    t = 0.0
+    for i in range(400):
+        if rng.random() < 0.5:
+            rid = f"r{i}"
+            wanted[rid] = rng.randint(0, 300)
+            s.submit(GenRequest(rid, rng.randint(1, 1500), wanted[rid], ignore_eos=True), t)
+        if rng.random() < 0.05 and s.reqs:
+            s.abort(rng.choice(sorted(s.reqs)))
+        nt = s.next_time()
+        t = nt if nt is not None else t + 0.1
+        s.advance(t)
+        running = [q for slot in s.slots for q in slot]
+        assert s.used_tokens == sum(q.kv for q in running) <= p.max_total_tokens
+        assert s.num_running == len(running) <= p.max_running_requests
+        assert all(len(slot) <= s.cap for slot in s.slots)
+    while (nt := s.next_time()) is not None:
+        s.advance(nt)
+    assert s.used_tokens == 0 and not s.reqs
+    assert set(finishes) == set(wanted)
+    for rid, n in wanted.items():
+        if finishes[rid] == "length":
+            assert got[rid] == n
+        else:
+            assert finishes[rid] == "abort" and got[rid] <= n
+    assert s.counters.retractions_total > 0  # the pool was tight enough to exercise retraction

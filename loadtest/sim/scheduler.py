@@ -350,9 +350,7 @@ class Scheduler:
             if req.target == 0:  # max_new_tokens=0: prefill only
                 self._finish(req, Finish("length", length=0))
                 continue
-            req.generated += 1
-            req.kv += 1
-            self.used_tokens += 1
+            req.generated += 1  # its KV token was allocated when the pass launched
             produced += 1
             if req.t_first is None:
                 req.t_first = now
@@ -422,7 +420,7 @@ class Scheduler:
                 if len(slot) >= self.cap or self.num_running >= p.max_running_requests:
                     break
                 q = self.waiting[0]
-                need = q.prompt_tokens + q.generated
+                need = q.prompt_tokens + q.generated  # (re-)prefill
                 if need + 1 > p.max_total_tokens:  # can never fit again
                     self.waiting.popleft()
                     self._finish(
@@ -430,8 +428,8 @@ class Scheduler:
                     )
                     continue
                 new_reserve = p.new_token_ratio * q.remaining
-                if self.used_tokens + need + reserve + new_reserve > p.max_total_tokens:
-                    if self.num_running == 0 and self.used_tokens + need <= p.max_total_tokens:
+                if self.used_tokens + need + 1 + reserve + new_reserve > p.max_total_tokens:
+                    if self.num_running == 0 and self.used_tokens + need + 1 <= p.max_total_tokens:
                         pass  # an empty engine always admits what fits
                     else:
                         break
@@ -459,6 +457,13 @@ class Scheduler:
             reqs.append((q, q.prefill_left == 0))
         if not reqs:
             return False
+        # KV for the token each request will produce is allocated now, as SGLang allocates
+        # out_cache_loc when it prepares the batch (checked above for decoders, at admission
+        # for prefills)
+        for q, gets_token in reqs:
+            if gets_token and q.target > 0:
+                q.kv += 1
+                self.used_tokens += 1
         cost = step_cost_ms(p, len(decoders), prefill_tokens) / 1000.0
         self._busy_ms += cost * 1000.0
         if self.stages == 1:
