@@ -367,3 +367,35 @@ def test_bad_config_fails_at_start_naming_the_field(tmp_path):
         env={**os.environ, "PIPEFILL_SERVER__PORT": "x"},
     )
     assert r.returncode == 2 and "server.port" in r.stderr
+
+
+async def test_sigterm_grace_period_bounds_the_wait(sims, tmp_path):
+    cfg = tmp_path / "proxy.toml"
+    _write_config(
+        cfg, [("tp8", sims[0])], FAST.replace("shutdown_grace_s = 10", "shutdown_grace_s = 0.5")
+    )
+    px = ProxyProc(cfg)
+    with px:
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(
+                px.url + "/v1/chat/completions",
+                json={
+                    "model": SIM_MODEL,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 100000,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            )
+            await resp.content.readline()
+            t0 = time.monotonic()
+            px.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(px.proc.wait, 10) == 0
+            assert time.monotonic() - t0 < 5  # did not wait for the 100000-token stream
+            with pytest.raises(aiohttp.ClientError):
+                await resp.read()
+        for _ in range(100):  # and the cut stream was aborted in the backend too
+            if await _load(sims[0]) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert await _load(sims[0]) == 0
