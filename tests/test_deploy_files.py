@@ -1,10 +1,11 @@
 """The deployment files stay true without Docker, Prometheus, Grafana or systemd running.
 
 Checks what can be checked here: the Dockerfile's inputs, entry point, configuration and health
-check; the dependency lock against pyproject.toml; the Prometheus config against
-config/proxy.toml; the alert rules' behaviour (promtool unit tests, when promtool is installed);
-that every pipefill_* metric the alerts and the dashboard use exists in proxy/metrics.py; and
-the systemd unit's keys (systemd-analyze verify, when installed).
+check (and the image's command run as a process against a fake backend); hadolint; the
+dependency locks against pyproject.toml; the Prometheus config against config/proxy.toml; the
+alert rules' behaviour and the dashboard's PromQL (promtool, when installed); that every
+pipefill_* metric and label the alerts and the dashboard use exists in the proxy's registry;
+and the systemd unit (systemd-analyze verify, when installed).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -58,6 +61,13 @@ def tool(name: str) -> str | None:
         return found
     sibling = Path(sys.executable).with_name(name)
     return str(sibling) if sibling.exists() else None
+
+
+def clear_pipefill_env(monkeypatch) -> None:
+    """The developer's own PIPEFILL_* variables must not leak into what is checked."""
+    for key in list(os.environ):
+        if key.startswith("PIPEFILL_"):
+            monkeypatch.delenv(key)
 
 
 # ---------------------------------------------------------------- Dockerfile parsing
@@ -264,9 +274,7 @@ def test_the_configuration_the_image_names_parses_with_the_settings_model(monkey
     settings = pytest.importorskip("proxy.settings", reason="proxy/settings.py not written yet")
     source = image_file_source(config_path_in_image())
     assert source.exists(), source
-    for key in list(os.environ):
-        if key.startswith("PIPEFILL_"):
-            monkeypatch.delenv(key)
+    clear_pipefill_env(monkeypatch)
     env = {k: v for k, v in image_env().items() if k.startswith("PIPEFILL_")}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -275,6 +283,12 @@ def test_the_configuration_the_image_names_parses_with_the_settings_model(monkey
     assert loaded.server.host == env["PIPEFILL_SERVER__HOST"]
     assert str(loaded.server.port) == env["PIPEFILL_SERVER__PORT"]
     assert loaded.backends, "the example configuration names no backend"
+
+
+def healthcheck_cmd() -> list[str]:
+    checks = [a for k, a in final_stage() if k == "HEALTHCHECK"]
+    assert checks, "no HEALTHCHECK"
+    return exec_form(checks[-1].split(" CMD ", 1)[1].strip())
 
 
 class _Health(BaseHTTPRequestHandler):
@@ -292,9 +306,7 @@ class _Health(BaseHTTPRequestHandler):
 
 @pytest.mark.parametrize("status, healthy", [(200, True), (503, False)])
 def test_healthcheck_command_passes_on_200_and_fails_otherwise(status, healthy):
-    checks = [a for k, a in final_stage() if k == "HEALTHCHECK"]
-    assert checks, "no HEALTHCHECK"
-    cmd = exec_form(checks[-1].split(" CMD ", 1)[1].strip())
+    cmd = healthcheck_cmd()
     assert cmd[0] == "python", "use python (the slim image has no curl or wget)"
     handler = type("H", (_Health,), {"status": status})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -312,8 +324,7 @@ def test_healthcheck_command_passes_on_200_and_fails_otherwise(status, healthy):
 
 
 def test_healthcheck_fails_when_nothing_listens(unused_port):
-    checks = [a for k, a in final_stage() if k == "HEALTHCHECK"]
-    cmd = exec_form(checks[-1].split(" CMD ", 1)[1].strip())
+    cmd = healthcheck_cmd()
     env = {**os.environ, "PIPEFILL_SERVER__PORT": str(unused_port)}
     result = subprocess.run([sys.executable, *cmd[1:]], env=env, capture_output=True, timeout=30)
     assert result.returncode != 0
@@ -341,15 +352,10 @@ def test_the_image_command_serves_its_healthcheck_and_obeys_sighup_and_sigterm(
 ):
     """Run the proxy as the image does (entry point + CMD + image env, but on 127.0.0.1)."""
     pytest.importorskip("proxy.cli", reason="proxy/cli.py not written yet")
-    import signal
-    import time
-
     entry = [exec_form(a) for k, a in final_stage() if k == "ENTRYPOINT"][-1]
     cmd = [exec_form(a) for k, a in final_stage() if k == "CMD"][-1]
     config = image_file_source(config_path_in_image())
-    check = exec_form(
-        [a for k, a in final_stage() if k == "HEALTHCHECK"][-1].split(" CMD ", 1)[1].strip()
-    )
+    check = healthcheck_cmd()
     backend = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
     threading.Thread(target=backend.serve_forever, daemon=True).start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEFILL_")}
@@ -467,9 +473,7 @@ def scrape_targets(job: str) -> dict[str, dict[str, str]]:
 
 
 def test_prometheus_scrapes_the_proxy_and_every_backend_of_proxy_toml(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("PIPEFILL_"):
-            monkeypatch.delenv(key)
+    clear_pipefill_env(monkeypatch)
     s = proxy_settings()
     proxy_targets = scrape_targets("pipefill")
     assert any(t.endswith(f":{s.server.port}") for t in proxy_targets), proxy_targets
@@ -685,9 +689,7 @@ def registry_metrics() -> dict[str, set[str] | None]:
 
 @pytest.mark.parametrize("source", ["alerts", "dashboard"])
 def test_every_metric_and_label_used_exists_in_the_proxy(source, monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("PIPEFILL_"):
-            monkeypatch.delenv(key)
+    clear_pipefill_env(monkeypatch)
     exported = registry_metrics()
     exprs = alert_exprs() if source == "alerts" else dashboard_exprs()
     problems = []
@@ -812,9 +814,7 @@ def test_unit_signals_match_the_proxy(monkeypatch):
     assert service["KillSignal"] == ["SIGTERM"]
     reload = service["ExecReload"][-1]
     assert "-HUP" in reload and "$MAINPID" in reload
-    for key in list(os.environ):
-        if key.startswith("PIPEFILL_"):
-            monkeypatch.delenv(key)
+    clear_pipefill_env(monkeypatch)
     grace = proxy_settings().server.shutdown_grace_s
     stop = seconds(service["TimeoutStopSec"][-1])
     assert grace < stop <= grace + 15, f"TimeoutStopSec={stop}s vs drain grace {grace}s"
