@@ -457,6 +457,14 @@ class ProxyServer:
 
     async def start(self) -> None:
         s = self.settings.server
+        # Bind first: a port in use fails before anything else started.
+        sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((s.host, s.port))
+        except OSError:
+            sock.close()
+            raise
         await self.proxy.start()
         server = _Server(
             self.proxy.handle,
@@ -469,9 +477,6 @@ class ProxyServer:
         )
         self._runner = web.ServerRunner(server, shutdown_timeout=s.shutdown_grace_s)
         await self._runner.setup()
-        sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((s.host, s.port))
         site = web.SockSite(self._runner, sock, backlog=2048)
         await site.start()
         self.port = sock.getsockname()[1]
