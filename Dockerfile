@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # The pipefill proxy image.
 #   docker build -t pipefill .
-#   docker run --rm -p 8080:8080 -v "$PWD/config/proxy.toml:/etc/pipefill/proxy.toml:ro" pipefill
+#   docker run --rm -p 8080:8080 -v "$PWD/my-proxy.toml:/etc/pipefill/proxy.toml:ro" pipefill
+# (the example config/proxy.toml names backends on 127.0.0.1: with it, use --network host).
 # Configuration: the TOML file at /etc/pipefill/proxy.toml (mount your own over the example) and
 # PIPEFILL_* environment variables (nested with "__"), which take precedence over the file.
 # See docs/deployment.md.

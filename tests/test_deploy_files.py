@@ -446,6 +446,31 @@ def test_lock_pins_every_runtime_dependency():
     check_pins(PYPROJECT["project"]["dependencies"], ROOT / "requirements.lock")
 
 
+def test_lock_is_closed_under_dependencies():
+    """Each locked package's own requirements are locked too (checked from the metadata of
+    those installed here at the locked version)."""
+    from importlib import metadata
+
+    pins = parse_lock(ROOT / "requirements.lock")
+    env = {**IMAGE_MARKERS, "extra": ""}
+    checked = 0
+    for name, (version, _) in pins.items():
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        if Version(dist.version) != version:
+            continue
+        checked += 1
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker and not req.marker.evaluate(env):
+                continue
+            assert canonicalize_name(req.name) in pins, f"{name} needs {req.name}: not locked"
+    if not checked:
+        pytest.skip("no locked package is installed at its locked version here")
+
+
 def test_build_lock_pins_the_build_backend():
     check_pins(PYPROJECT["build-system"]["requires"], ROOT / "requirements-build.lock")
 
