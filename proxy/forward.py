@@ -94,6 +94,9 @@ class UpstreamError(Exception):
         self.kind = kind
 
 
+WRITING = float("inf")  # _Watchdog.last while a write to the client is in progress
+
+
 class _Watchdog:
     """Idle-gap and total deadlines of one upstream response, for the price of one timer.
 
@@ -117,6 +120,9 @@ class _Watchdog:
         now = time.monotonic()
         if now >= self.deadline:
             self.fired = "total_timeout"
+        elif self.last == WRITING:  # blocked on a slow client, not waiting on the backend
+            self.handle = self.loop.call_later(min(self.idle, self.deadline - now), self._check)
+            return
         elif now - self.last >= self.idle:
             self.fired = "idle_timeout"
         else:
@@ -420,7 +426,8 @@ class Forwarder:
             await out.prepare(request)
             write = out.write
             while chunk:
-                now = wd.last = monotonic()
+                now = monotonic()
+                wd.last = WRITING
                 await write(chunk)
                 if framer is not None:
                     # Events that arrived in one read arrived together: they count as one
@@ -439,6 +446,7 @@ class Forwarder:
                             bm.itl.observe(gap)
                         last_tok = now
                         stats.observe_tokens(n, now)
+                wd.last = monotonic()  # a slow client is not an idle backend
                 try:
                     chunk = await content.readany()
                 except (UpstreamError, aiohttp.ClientError, OSError):
