@@ -462,3 +462,44 @@ def test_invariants_under_random_load(profile):
         else:
             assert finishes[rid] == "abort" and got[rid] <= n
     assert s.counters.retractions_total > 0  # the pool was tight enough to exercise retraction
+
+
+async def test_virtual_clock_cancelled_sleep_does_not_move_time():
+    clock = VirtualClock()
+    long = asyncio.ensure_future(clock.sleep(100.0))
+    await asyncio.sleep(0)
+    long.cancel()
+    await clock.sleep(1.0)
+    assert clock.now() == 1.0
+    await asyncio.sleep(0)
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert clock.now() == 1.0
+
+
+@pytest.mark.parametrize("profile", [TP8, PP8], ids=["tp8", "pp8"])
+async def test_engine_matches_scheduler_with_staggered_submits(profile, make_engine):
+    """Submits that arrive while the engine sleeps (early wake-ups) keep exact timing."""
+    gaps = [0.0, 0.013, 0.2, 0.0, 0.37, 1.1, 0.05, 0.9, 0.0, 2.5]
+    e = await make_engine(profile)
+    streams = []
+    for i, gap in enumerate(gaps):
+        if gap:
+            await e.clock.sleep(gap)
+        streams.append(e.submit(GenRequest(f"r{i}", 200 + 50 * i, 20 + 3 * i, ignore_eos=True)))
+    await asyncio.gather(*(collect(s) for s in streams))
+    ref = Scheduler(profile)
+    done = {}
+    ref.emit = lambda req, ids, fin: done.setdefault(req.rid, req) if fin else None
+    t = 0.0
+    for i, gap in enumerate(gaps):
+        t += gap
+        ref.advance(t)
+        ref.submit(GenRequest(f"r{i}", 200 + 50 * i, 20 + 3 * i, ignore_eos=True), t)
+        ref.advance(t)
+    while (nt := ref.next_time()) is not None:
+        ref.advance(nt)
+    for s in streams:
+        assert s.t_arrival == pytest.approx(done[s.rid].arrival)
+        assert s.t_first == pytest.approx(done[s.rid].t_first)
+        assert s.t_last == pytest.approx(done[s.rid].t_last)

@@ -54,6 +54,9 @@ class LoopResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def __getitem__(self, key: str) -> object:  # r["aggregate_tok_s"] works too
+        return getattr(self, key)
+
 
 def closed_loop(
     profile: Profile | str,

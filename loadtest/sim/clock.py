@@ -74,10 +74,16 @@ class VirtualClock:
             self._driver = loop.create_task(self._drive())
         await fut
 
+    def _prune(self) -> None:
+        """Drop cancelled sleeps so that they never move time."""
+        while self._heap and self._heap[0][2].done():
+            heapq.heappop(self._heap)
+
     async def _drive(self) -> None:
-        while self._heap:
+        while True:
             for _ in range(self._settle):
                 await asyncio.sleep(0)
+            self._prune()
             if not self._heap:
                 break
             self._wake_until(self._heap[0][0])
@@ -88,10 +94,12 @@ class VirtualClock:
             _, _, fut = heapq.heappop(self._heap)
             if not fut.done():
                 fut.set_result(None)
+        self._prune()
 
     async def advance(self, d: float) -> None:
         """Move time forward by d, waking every sleep that falls due, in order."""
         target = self._now + d
+        self._prune()
         while self._heap and self._heap[0][0] <= target:
             self._wake_until(self._heap[0][0])
             for _ in range(self._settle):

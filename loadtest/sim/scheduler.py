@@ -239,6 +239,7 @@ class Scheduler:
         )
         if req.rid in self.reqs:  # SGLang rejects a live duplicate rid
             raise DuplicateRequestError(f"request id {req.rid!r} is already running")
+        self._spin()
         self.reqs[req.rid] = req
         if req.prompt_tokens + 1 > self.profile.max_total_tokens:
             self._finish(
@@ -369,6 +370,22 @@ class Scheduler:
         if produced:
             self._recent.append((now, produced))
             self._log_tokens += produced
+
+    def _spin(self) -> None:
+        """Move the cursor past empty slots while stage 0 is idle and nobody waits.
+
+        SGLang's PP loop spins through empty micro-batches and blocks on the next one in
+        flight; a request arriving later joins that one when it returns. Doing this at submit
+        time (not only when the driver happens to call) keeps decisions independent of when
+        the driver wakes.
+        """
+        if self.waiting:
+            return
+        for _ in range(self.num_slots):
+            m = self._cursor
+            if m in self._in_flight or self.slots[m] or self._stage_free[0] > self._now:
+                return
+            self._cursor = (m + 1) % self.num_slots
 
     def _dispatch(self) -> None:
         for _ in range(self.num_slots):
