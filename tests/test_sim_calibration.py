@@ -21,6 +21,15 @@ def test_calibration_within_10_percent(name, concurrency, jitter):
     assert got == pytest.approx(target, rel=0.10), f"{name} C={concurrency} {metric}={got:.1f}"
 
 
+@pytest.mark.parametrize(("name", "concurrency"), sorted(TARGETS))
+def test_calibration_holds_for_loadtest_run_defaults(name, concurrency):
+    """`loadtest run`'s default workload (512-token prompts, 256 output tokens) has the same
+    prompt:output ratio, so it reproduces the table too."""
+    metric, target = TARGETS[(name, concurrency)]
+    got = getattr(closed_loop(name, concurrency, input_len=512, output_len=256), metric)
+    assert got == pytest.approx(target, rel=0.10)
+
+
 def test_ep8_assumption_faster_in_aggregate_not_single_request():
     tp1, ep1 = closed_loop("tp8", 1), closed_loop("ep8", 1)
     tp32, ep32 = closed_loop("tp8", 32), closed_loop("ep8", 32)
