@@ -194,7 +194,9 @@ class Proxy:
         route = ROUTES.get(path)
         if route is None:
             if path in OWN:
-                return await self._own(request, path)
+                resp = await self._own(request, path)
+                if resp is not None:
+                    return resp  # else: /v1/models not known yet, ask a backend
             if path.startswith("/admin/") or path == "/admin":
                 return await self.admin.handle(request)
         rid = request.headers.get(self._rid_header) or os.urandom(12).hex()
@@ -330,7 +332,7 @@ class Proxy:
 
     # ---- the proxy's own routes ------------------------------------------------------
 
-    async def _own(self, request: web.BaseRequest, path: str) -> web.StreamResponse:
+    async def _own(self, request: web.BaseRequest, path: str) -> web.StreamResponse | None:
         if request.method not in ("GET", "HEAD"):
             return error_response(
                 405,
@@ -362,16 +364,14 @@ class Proxy:
             return error_response(503, "no healthy backend", "no_healthy_backend")
         return web.Response(body=orjson.dumps(body), content_type=JSON)
 
-    async def _models(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _models(self, request: web.BaseRequest) -> web.StreamResponse | None:
         models: dict[str, dict] = {}
         for b in self.pool.all():
             if b.state is State.HEALTHY:
                 for m in b.models:
                     models.setdefault(m["id"], m)
         if not models:
-            return error_response(
-                503, "no healthy backend has reported its models", "no_healthy_backend"
-            )
+            return None
         return web.Response(
             body=orjson.dumps({"object": "list", "data": list(models.values())}), content_type=JSON
         )

@@ -168,6 +168,7 @@ class Health:
             log.log(level, "backend %s: %s -> %s (%s)", b.name, previous.value, state.value, why)
             if state is State.UNHEALTHY:
                 b.fresh = False
+                b.models = []  # re-read when it comes back (it may serve another model)
             if state is State.HEALTHY:
                 b.ejections = 0
                 with contextlib.suppress(AttributeError):
