@@ -13,6 +13,7 @@ and queues requests is proxy/admission.py. A limit never awaits and never reads 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -57,7 +58,7 @@ class LimitSettings(BaseModel):
         description="at the knee, ITL or TTFT this far above the reference while "
         "throughput did not grow means the backend changed: search again",
     )
-    measure_windows: int = Field(2, ge=1, description="windows averaged per measured level")
+    measure_windows: int = Field(3, ge=1, description="windows averaged per measured level")
     settle_windows: int = Field(1, ge=0, description="windows ignored after a limit change")
     probe_every: int = Field(6, ge=1, description="measurements held at the knee between probes")
     backoff: float = Field(0.85, gt=0, lt=1, description="multiplicative decrease on congestion")
@@ -132,11 +133,15 @@ class Measure:
     ttft: float | None
     at: float
     slack: bool = False  # demand did not fill the limit; ``level`` is the in-flight count used
+    rate: float = 0.0  # decode capacity: in_flight / median ITL (tokens/s), else tokens_per_s
 
     @staticmethod
     def of(level: int, windows: list[Window], external: float = 0.0) -> Measure:
         span = sum(w.duration for w in windows) or 1e-9
-        tps = sum(w.tokens for w in windows) / span
+        if len(windows) >= 3:  # robust to one window caught in a prefill wave
+            tps = statistics.median(w.tokens_per_s for w in windows)
+        else:
+            tps = sum(w.tokens for w in windows) / span
         ours = sum(w.in_flight * w.duration for w in windows) / span
         slack = ours < SLACK * level
         if slack:
@@ -145,15 +150,24 @@ class Measure:
         total = ours + external
         if ours > 0:
             tps *= total / ours
-        itls = [(w.itl, w.tokens) for w in windows if w.itl is not None and w.tokens]
-        itl = sum(x * n for x, n in itls) / sum(n for _, n in itls) if itls else None
-        ttfts = [w.ttft for w in windows if w.ttft is not None]
-        ttft = sum(ttfts) / len(ttfts) if ttfts else None
-        return Measure(level, max(total, 1e-9), tps, itl, ttft, windows[-1].end, slack)
+        p50s = [w.itl_p50 if w.itl_p50 is not None else w.itl for w in windows]
+        p50s = [x for x in p50s if x is not None and x > 0]
+        itl = statistics.median(p50s) if p50s else None
+        # Each decoding request makes one token per ITL: in flight / median ITL is the token
+        # rate without the noise of prefill stalls and of requests finishing (PP windows vary
+        # by +-35% in tokens/s, their median ITL by a few %).
+        rate = total / itl if itl else tps
+        ttfts = [(w.ttft, w.ttft_count) for w in windows if w.ttft is not None]
+        n_ttft = sum(n for _, n in ttfts)
+        # A handful of TTFT samples says more about prompt lengths than about congestion.
+        ttft = sum(x * n for x, n in ttfts) / n_ttft if n_ttft >= MIN_TTFT_SAMPLES else None
+        return Measure(level, max(total, 1e-9), tps, itl, ttft, windows[-1].end, slack, rate)
 
 
 #: a window whose average in-flight stays below this fraction of the limit was demand-limited
 SLACK = 0.8
+#: TTFT samples a measurement needs before its TTFT counts as a signal
+MIN_TTFT_SAMPLES = 5
 
 
 def _rose(now: float | None, ref: float | None, tol: float) -> bool:
@@ -210,11 +224,15 @@ class AdaptiveLimit:
         self._knee: int | None = None
         self._phase: Phase = "climb"
         self._step = self.s.step
-        self._doubling = True  # slow start: double the step while growth is linear
+        self._doubling = True  # slow start: double while growth is linear
+        self._step = 1.0
         self._ref: Measure | None = None  # measurement at the accepted level
         self._baseline: Measure | None = None  # measurement when the knee was (re)chosen
         self._windows: list[Window] = []
         self._settle = 0
+        self._settle_until = 0.0
+        self._drifts = 0
+        self._last_elasticity = 0.0  # of the last step kept: linear growth means no probe down
         self._held = 0
         self._probe_up_next = True
         self._congested: tuple[int, float] | None = None  # (level, until)
@@ -232,16 +250,19 @@ class AdaptiveLimit:
             scraped = window.running_reqs + (window.queue_reqs or 0.0)
             ext = max(0.0, scraped - window.in_flight)
             self._external = 0.5 * self._external + 0.5 * ext
+        if window.in_flight > window.limit * 1.1 + 1:
+            # Still draining down to a lower limit: what the backend queues now is what we sent
+            # before, so neither its gauges nor our timings say anything new yet.
+            self._windows.clear()
+            return
         congestion = self._congestion(window)
         if congestion and self._settle == 0:
             excess = window.queue_reqs if congestion.startswith("backend queueing") else None
             self._back_off(window.end, congestion, excess)
             return
-        if self._settle > 0:
-            self._settle -= 1
-            return
-        if window.in_flight > window.limit * 1.1 + 1:
-            self._windows.clear()  # still draining down to a lower limit
+        if self._settle > 0 or window.start < self._settle_until:
+            # Requests admitted by the change produce tokens only one TTFT later.
+            self._settle = max(0, self._settle - 1)
             return
         if not self._demand_bound(window) and self._phase not in ("climb", "probe_up"):
             # Too little demand to learn anything at the knee. (While climbing, a window that
@@ -251,7 +272,8 @@ class AdaptiveLimit:
         if window.tokens <= 0:
             return
         self._windows.append(window)
-        if len(self._windows) < self.s.measure_windows:
+        slow_start = self._phase == "climb" and self._doubling
+        if len(self._windows) < (1 if slow_start else self.s.measure_windows):
             return
         m = Measure.of(self._limit, self._windows, self._external)
         self._windows = []
@@ -303,8 +325,13 @@ class AdaptiveLimit:
             self._climb_from(m, "measured; climb")
             return
         rel = m.in_flight / ref.in_flight - 1.0
-        gain = m.tokens_per_s / ref.tokens_per_s - 1.0 if ref.tokens_per_s > 0 else 1.0
+        gain = m.rate / ref.rate - 1.0 if ref.rate > 0 else 1.0
+        measured = m.tokens_per_s / ref.tokens_per_s - 1.0 if ref.tokens_per_s > 0 else 1.0
         elasticity = gain / rel
+        if _rose(m.ttft, ref.ttft, self.s.latency_tolerance) and measured < self.s.min_gain * rel:
+            # ITL may stay flat while the backend queues what we send (all its slots full):
+            # TTFT rising and no more tokens actually delivered say the step did not pay.
+            elasticity = min(elasticity, measured / rel)
         doubled = self._phase == "climb" and self._step > self.s.step
         if doubled and elasticity < self.LINEAR:
             # A doubled step that was not linear may hide the knee inside it: go back and
@@ -318,6 +345,7 @@ class AdaptiveLimit:
             self._knee = m.level
             self._baseline = m
             self._phase = "climb"
+            self._last_elasticity = elasticity
             if elasticity >= self.LINEAR and self._doubling:
                 self._step = min(1.0, self._step * 2)
             else:
@@ -334,7 +362,7 @@ class AdaptiveLimit:
         ref = self._ref
         assert ref is not None
         rel = ref.in_flight / m.in_flight - 1.0 if m.in_flight < ref.in_flight else 0.0
-        loss = ref.tokens_per_s / m.tokens_per_s - 1.0 if m.tokens_per_s > 0 else 1.0
+        loss = ref.rate / m.rate - 1.0 if m.rate > 0 else 1.0
         if rel > 0 and loss < self.s.min_gain * rel:
             # The higher level was not worth its extra in-flight: move the knee down, go on.
             self._ref = m
@@ -356,16 +384,21 @@ class AdaptiveLimit:
             drift = _rose(m.itl, base.itl, self.s.drift_tolerance) or _rose(
                 m.ttft, base.ttft, 2 * self.s.drift_tolerance
             )
-            if drift and m.tokens_per_s < base.tokens_per_s * (1.0 + self.s.latency_tolerance):
+            drift = drift and m.tokens_per_s < base.tokens_per_s * (1.0 + self.s.latency_tolerance)
+            self._drifts = self._drifts + 1 if drift else 0
+            if self._drifts >= 2:  # twice in a row: one slow measurement is not a change
                 # Same in-flight, slower answers, no more throughput: the backend changed
                 # (slower, restarted, shared with other traffic). Search again from below.
+                self._drifts = 0
                 self._ref = None
                 self._baseline = None
                 self._phase = "climb"
-                self._step = self.s.step
+                self._step = 1.0
                 self._doubling = True
+                # The knee may have moved anywhere below: slow start from a quarter of it.
+                self._last_elasticity = 0.0
                 self._set(
-                    self._down(m.level, self.s.step), m.at, "latency drifted at the knee: search"
+                    self._clamp(round(m.level / 4)), m.at, "latency drifted at the knee: search"
                 )
                 return
         self._ref = m
@@ -383,7 +416,9 @@ class AdaptiveLimit:
                 self._phase = "probe_up"
                 self._step = self.s.step
                 self._set(nxt, m.at, "probe up")
-        else:
+        elif self._last_elasticity < self.LINEAR:
+            # Only where throughput was already bending: below a knee reached while growth was
+            # still linear, a lower level is surely worse (and its requests would wait here).
             nxt = self._down(m.level)
             if nxt < m.level:
                 self._phase = "probe_down"
@@ -430,8 +465,8 @@ class AdaptiveLimit:
     def _back_off(self, now: float, why: str, excess: float | None = None) -> None:
         level = self._limit
         new = math.floor(level * self.s.backoff)
-        if excess is not None:  # the backend says how many it queues: shed just those
-            new = max(new, level - math.ceil(excess))
+        if excess is not None:  # the backend says how many it queues: shed those (<= half)
+            new = max(level - math.ceil(excess), level // 2)
         new = self._clamp(min(level - 1, new))
         self._congested = (level, now + self.s.congestion_memory_s)
         self._knee = new
@@ -442,6 +477,7 @@ class AdaptiveLimit:
         self._held = 0
         self._probe_up_next = True
         self._step = self.s.step
+        self._last_elasticity = 0.0
         self._set(new, now, f"{why}: back off")
 
     # ---- helpers -----------------------------------------------------------------------
@@ -472,6 +508,10 @@ class AdaptiveLimit:
     def _set(self, new: int, now: float, why: str) -> None:
         if new != self._limit:
             self._settle = self.s.settle_windows
+            ttft = self._last.ttft if self._last is not None else None
+            if ttft is None and self._ref is not None:
+                ttft = self._ref.ttft
+            self._settle_until = now + min(ttft or 0.0, self.s.max_window_s)
             self._windows = []
         self._limit = new
         self._log(now, why)

@@ -47,6 +47,7 @@ class Window:
     running_reqs: float | None = None
     stale: bool = False
     restarted: bool = False
+    itl_p50: float | None = None  # token-weighted median ITL: robust to prefill stalls
 
     @property
     def duration(self) -> float:
@@ -129,6 +130,7 @@ class _WindowAcc:
     tokens: int = 0
     itl_sum: float = 0.0
     itl_tokens: int = 0
+    itls: list[tuple[float, int]] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     completions: int = 0
     errors: int = 0
@@ -204,8 +206,11 @@ class BackendStats:
             return
         now = self._clock()
         self.itl_ewma.observe(seconds_per_token, now)
-        self._win.itl_sum += seconds_per_token * tokens
-        self._win.itl_tokens += tokens
+        w = self._win
+        w.itl_sum += seconds_per_token * tokens
+        w.itl_tokens += tokens
+        if len(w.itls) < 50_000:
+            w.itls.append((seconds_per_token, tokens))
 
     def observe_tokens(self, n: int, now: float | None = None) -> None:
         """``n`` generated tokens arrived (each token-carrying event, first one included)."""
@@ -376,6 +381,7 @@ class BackendStats:
             running_reqs=self.scrape.running_reqs if fresh else None,
             stale=stale,
             restarted=self._restart_pending,
+            itl_p50=_weighted_median(w.itls),
         )
         self._restart_pending = False
         self._win = _WindowAcc(start=now)
@@ -416,3 +422,16 @@ class BackendStats:
             if self._limit > 0 and self._in_flight >= self._limit:
                 self._win.at_limit_time += dt
         self._if_stamp = now
+
+
+def _weighted_median(samples: list[tuple[float, int]]) -> float | None:
+    if not samples:
+        return None
+    xs = sorted(samples)
+    half = sum(n for _, n in xs) / 2.0
+    acc = 0
+    for x, n in xs:
+        acc += n
+        if acc >= half:
+            return x
+    return xs[-1][0]

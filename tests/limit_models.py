@@ -62,6 +62,7 @@ class KneeModel:
             errors=0,
             queue_reqs=queue,
             token_usage=kv,
+            itl_p50=itl,
         )
 
 
@@ -102,6 +103,7 @@ class BatchModel:
             errors=0,
             queue_reqs=float(queued),
             token_usage=min(1.0, 0.3 + 0.01 * b),
+            itl_p50=step,
         )
 
 

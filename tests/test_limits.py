@@ -152,6 +152,7 @@ def test_two_proxies_share_a_backend_without_an_arms_race():
                 tokens=int(share),
                 tokens_per_s=share,
                 itl=total / tps,
+                itl_p50=total / tps,
                 ttft=0.2 * max(1.0, total / knee),
                 running_reqs=float(min(total, 10_000)),
                 queue_reqs=0.0,
@@ -185,6 +186,6 @@ def test_a_climb_that_outruns_demand_settles_just_above_it():
     """64 clients in front of a backend whose knee is higher: hold near 64, not at 128."""
     lim = adaptive(floor=8)
     history = drive(lim, KneeModel(knee=200, seed=18, demand=64), 90)
-    assert 64 <= lim.limit <= 80
+    assert 64 <= sorted(history[-30:])[15] <= 80  # (an up-probe may be in progress at the end)
     assert 60 <= lim.knee <= 80
     assert max(history[-30:]) <= 90

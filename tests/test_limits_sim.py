@@ -1,0 +1,53 @@
+"""The adaptive limit in front of the simulator's engine model, in virtual time.
+
+Closed-loop clients go through the proxy's queue into one simulated backend (tests/limit_sim.py);
+no sockets, no wall clock: each run takes a fraction of a second. Throughput ratios here are
+between runs of a deterministic model, not timings of this machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+from limit_sim import closed_loop_through_limit
+
+from proxy.limits import LimitSettings, make_limit
+
+OUT = (256, 768)  # varied output lengths, so closed-loop clients do not finish in lockstep
+
+
+def adaptive(profile: str):
+    return make_limit(LimitSettings(), parallelism=profile[:2], pp_size=8)
+
+
+def fixed(n: int):
+    return make_limit(LimitSettings(algorithm="fixed", initial=n))
+
+
+def test_pp8_fills_its_pipeline_within_30_simulated_seconds():
+    lim = adaptive("pp8")
+    run = closed_loop_through_limit("pp8", 64, lim, duration_s=150, output_len=OUT)
+    assert min(lim_ for _, lim_, _, _ in run.limit_trace) >= 8  # the pp floor
+    reached = run.first_time_at(56)
+    assert reached is not None and reached <= 30
+    best = closed_loop_through_limit("pp8", 64, fixed(64), duration_s=150, output_len=OUT)
+    assert run.throughput(60, 150) >= 0.95 * best.throughput(60, 150)
+    assert run.ttft_pct(60, 150, 0.99) <= 1.2 * best.ttft_pct(60, 150, 0.99) + 0.05
+
+
+@pytest.mark.parametrize(
+    ("profile", "clients", "levels"),
+    [
+        ("pp8", 128, (32, 64, 96)),
+        ("tp8", 48, (16, 32, 48)),
+    ],
+)
+def test_close_to_the_best_fixed_limit(profile, clients, levels):
+    lim = adaptive(profile)
+    run = closed_loop_through_limit(profile, clients, lim, duration_s=150, output_len=OUT)
+    fixed_runs = {
+        n: closed_loop_through_limit(profile, clients, fixed(n), duration_s=150, output_len=OUT)
+        for n in levels
+    }
+    best = max(fixed_runs.values(), key=lambda r: r.throughput(60, 150))
+    assert run.throughput(60, 150) >= 0.93 * best.throughput(60, 150)
+    assert run.ttft_pct(60, 150, 0.99) <= 1.25 * best.ttft_pct(60, 150, 0.99) + 0.05
