@@ -587,6 +587,12 @@ ALERT_CASES = {
         "15m",
         [],
     ),
+    "backend_metrics_stale": (
+        [(f'pipefill_backend_scrape_stale{{{P},backend="tp8"}}', "1x10")],
+        "PipefillBackendMetricsStale",
+        "8m",
+        [{"instance": "proxy:8080", "job": "pipefill", "backend": "tp8"}],
+    ),
     "below_knee_while_requests_queue": (
         [
             (f'pipefill_backend_in_flight{{{P},backend="pp8"}}', "4x40"),
