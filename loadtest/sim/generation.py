@@ -5,7 +5,8 @@
 records the per-request histograms and writes the trace line. Routes only shape JSON.
 
 Times: ``time.monotonic()`` taken right before the server writes an event (the trace's
-truth for clients to compare against); histograms get them in modelled seconds.
+truth for clients to compare against). Histograms get modelled seconds: TTFT and E2E from
+the engine's own clock, inter-token gaps from the writes divided by the time scale.
 """
 
 from __future__ import annotations
@@ -164,10 +165,18 @@ class Generation:
         scale = self.backend.time_scale
         if self.t_first is None:
             self.t_first = now
-            self.backend.metrics.observe_first_token((now - self.arrival) / scale)
+            ttft = self._modelled("t_first")
+            self.backend.metrics.observe_first_token(
+                ttft if ttft is not None else (now - self.arrival) / scale
+            )
         elif self._t_prev is not None:
             self.backend.metrics.observe_chunk((now - self._t_prev) / scale, new_tokens)
         self._t_prev = self.t_last = now
+
+    def _modelled(self, attr: str) -> float | None:
+        """Engine-side (modelled) seconds from arrival to ``attr``, as SGLang measures them."""
+        t, t0 = getattr(self._stream, attr, None), getattr(self._stream, "t_arrival", None)
+        return None if t is None or t0 is None else max(t - t0, 0.0)
 
     def close(self) -> None:
         """Abort in the engine if unfinished; record histograms and the trace (idempotent)."""
@@ -179,9 +188,10 @@ class Generation:
             self.backend.engine.abort(self.rid)
         now = time.monotonic()
         if finished and self.finish.get("type") != "abort":
-            self.backend.metrics.observe_finish(
-                (now - self.arrival) / self.backend.time_scale, self.num_retractions
-            )
+            e2e = self._modelled("t_last")
+            if e2e is None:
+                e2e = (now - self.arrival) / self.backend.time_scale
+            self.backend.metrics.observe_finish(e2e, self.num_retractions)
         self.backend.trace_write(
             {
                 "rid": self.rid,

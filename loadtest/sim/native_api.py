@@ -237,7 +237,7 @@ async def health_generate(request: web.Request) -> web.Response:
     backend = request.app[BACKEND]
     if not await _health_gate(backend):
         return web.Response(status=503)
-    rid = f"HEALTH_CHECK_{time.time()}"
+    rid = f"HEALTH_CHECK_{time.time()}_{backend.new_rid()[:8]}"
     stream = backend.engine.submit(
         GenRequest(rid=rid, prompt_tokens=1, max_new_tokens=1, ignore_eos=True)
     )

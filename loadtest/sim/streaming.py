@@ -58,36 +58,47 @@ class StreamWriter:
                 # SGLang's kick-started generator, answer an error instead of HTTP 200
                 return shaper.reject(item[1].finish)
             resp = web.StreamResponse(headers=SSE_HEADERS)
-            await resp.prepare(self.request)
-            for data in shaper.opening():
+            try:
+                await resp.prepare(self.request)
+                await self._send(resp, shaper, steps, item, include_usage, continuous_usage)
+            except ConnectionError:
+                # the client left between two writes (before aiohttp cancelled this handler):
+                # nothing more to send; the generation's close() aborts it in the engine
+                pass
+        return resp
+
+    async def _send(self, resp, shaper, steps, item, include_usage, continuous_usage) -> None:
+        for data in shaper.opening():
+            await resp.write(data)
+        while item is not None:
+            index, step = item
+            if self._fault_due(step):
+                await self._fault()
+                return
+            gen = self.gens[index]
+            usage = running_usage(gen) if continuous_usage else None
+            data = shaper.content(step, usage, index)
+            if data is not None:
+                gen.mark_write(len(step.token_ids))
                 await resp.write(data)
-            while item is not None:
-                if await self._fault():
-                    return resp
-                index, step = item
-                gen = self.gens[index]
-                usage = running_usage(gen) if continuous_usage else None
-                data = shaper.content(step, usage, index)
-                if data is not None:
-                    gen.mark_write(len(step.token_ids))
-                    await resp.write(data)
-                    self.sent_tokens += len(step.token_ids)
-                item = await _next(steps)
+                self.sent_tokens += len(step.token_ids)
+            item = await _next(steps)
         for data in shaper.closing(include_usage):
             await resp.write(data)
         await resp.write_eof()
-        return resp
 
-    async def _fault(self) -> bool:
-        fate = self.decision.fate
-        if fate not in ("stall", "drop") or self.sent_tokens < self.decision.after_tokens:
+    def _fault_due(self, step: Step) -> bool:
+        """A stall/drop fires after ``after_tokens`` tokens, and always before the last chunk."""
+        if self.decision.fate not in ("stall", "drop"):
             return False
-        if fate == "stall":  # hold the connection open, send nothing, until the client leaves
-            await asyncio.Event().wait()
+        return self.sent_tokens >= self.decision.after_tokens or step.finish is not None
+
+    async def _fault(self) -> None:
+        if self.decision.fate == "stall":  # hold the connection open, send nothing more
+            await asyncio.Event().wait()  # until the client leaves (handler cancelled)
         transport = self.request.transport
         if transport is not None:
             transport.abort()  # drop: cut the connection mid-stream
-        return True
 
 
 def _rejected(step: Step) -> bool:
