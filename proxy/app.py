@@ -183,7 +183,7 @@ class Proxy:
             if name not in self.pool:
                 self.pool.add(want)
                 added.append(name)
-        log.warning("backends reloaded: added %s, removed %s, changed %s", added, removed, changed)
+        log.info("backends reloaded: added %s, removed %s, changed %s", added, removed, changed)
         return {"added": added, "removed": removed, "changed": changed}
 
     # ---- request handling ------------------------------------------------------------

@@ -62,7 +62,7 @@ async def serve(settings: Settings, config: str | None, overrides: dict[str, Any
     server = ProxyServer(settings)
     await server.start()
     names = ", ".join(f"{b.name}={b.url}" for b in settings.backends) or "none"
-    log.warning("pipefill proxy listening on %s (backends: %s)", server.url, names)
+    log.info("pipefill proxy listening on %s (backends: %s)", server.url, names)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -79,9 +79,9 @@ async def serve(settings: Settings, config: str | None, overrides: dict[str, Any
     loop.add_signal_handler(signal.SIGHUP, reload)
     await stop.wait()
     grace = settings.server.shutdown_grace_s
-    log.warning("shutting down: waiting up to %.0f s for requests in flight", grace)
+    log.info("shutting down: waiting up to %.0f s for requests in flight", grace)
     await server.stop(grace)
-    log.warning("stopped")
+    log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> int:
