@@ -396,3 +396,31 @@ async def test_total_timeout_ends_a_long_stream_cleanly():
         err = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
         assert err["code"] == "upstream_timeout" and "total timeout" in err["message"]
         await wait_for(lambda: up.running == 0)
+
+
+async def test_priority_header_reaches_the_queue():
+    async with (
+        fakes(1) as (up,),
+        running_proxy([up.url], limits={"algorithm": "fixed", "initial": 1}) as px,
+    ):
+        await _post(px.url + "/v1/chat/completions", {"messages": [], "max_tokens": 1})
+        first = asyncio.create_task(_post(
+            px.url + "/v1/chat/completions",
+            {"messages": [], "stream": True, "max_tokens": 10, "tag": "first"},
+            headers={"X-Fake-Delay": "0.03"},
+        ))  # fmt: skip
+        await wait_for(lambda: up.running == 1)
+        batch = asyncio.create_task(_post(
+            px.url + "/v1/chat/completions", {"messages": [], "tag": "batch"},
+            headers={"X-Priority": "batch"},
+        ))  # fmt: skip
+        await wait_for(lambda: px.proxy.admission.depth == 1)
+        inter = asyncio.create_task(_post(
+            px.url + "/v1/chat/completions", {"messages": [], "tag": "interactive"}
+        ))  # fmt: skip
+        await wait_for(lambda: px.proxy.admission.depth == 2)
+        for t in (first, batch, inter):
+            r, _ = await t
+            assert r.status == 200
+        order = [q["body"].get("tag") for q in up.requests[1:]]
+        assert order == ["first", "interactive", "batch"]
