@@ -434,6 +434,22 @@ async def test_metrics_names_labels_and_counts(sim):
     assert samples[key] == logged.max_total_num_tokens
 
 
+async def test_metrics_one_series_per_dp_rank():
+    async with running_sim("ep8") as (url, backend):
+        async with aiohttp.ClientSession(url) as s:
+            async with s.get("/metrics") as r:
+                samples = _samples(await r.text())
+            async with s.get("/get_load") as r:
+                assert len(await r.json()) == backend.profile.dp_size
+    dp = backend.profile.dp_size
+    totals = [v for k, v in samples.items() if k.startswith("sglang:max_total_num_tokens{")]
+    assert len(totals) == dp > 1
+    assert sum(totals) == backend.engine.logged_stats().max_total_num_tokens
+    keys = [k for k in samples if k.startswith("sglang:token_usage{")]
+    assert all('moe_ep_rank="0"' in k for k in keys)
+    assert {k.split('dp_rank="')[1].split('"')[0] for k in keys} == {str(r) for r in range(dp)}
+
+
 def _samples(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():

@@ -45,6 +45,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--access-log", action="store_true", help="log every request")
     add_fault_arguments(parser)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = _profiles_epilog()
+
+
+def _profiles_epilog() -> str:
+    """The shipped profiles and their one-line descriptions (skipped if they cannot load)."""
+    try:
+        from loadtest.sim.profiles import PROFILE_NAMES, load_profile
+
+        rows = [(n, load_profile(n).description) for n in PROFILE_NAMES]
+    except Exception:
+        return ""
+    width = max(len(n) for n, _ in rows)
+    return "profiles:\n" + "\n".join(f"  {n:<{width}}  {d}" for n, d in rows)
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, int]]:

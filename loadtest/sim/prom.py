@@ -4,11 +4,12 @@ Scheduler gauges (``sglang:num_running_reqs``, ``sglang:token_usage``, ...) are 
 ``engine.logged_stats()`` at scrape time: like SGLang's, they change only on prefill batches
 and every ``decode_log_interval`` decode steps, and keep their last value when idle. They
 carry the scheduler labels (``model_name``, ``engine_type``, ``tp_rank``, ``pp_rank``,
-``moe_ep_rank``); only rank 0 reports, as with SGLang's default (other ranks'
-schedulers do not export unless ``--enable-metrics-for-all-schedulers``), so summing
-series never double counts. Per-request histograms and token counters are the tokenizer
-side's and carry ``model_name`` only. Durations are modelled seconds (wall seconds
-divided by ``--time-scale``), i.e. what the real deployment would report.
+``moe_ep_rank``, and ``dp_rank`` with DP attention); only rank 0 of each DP group reports,
+as with SGLang's default (other ranks' schedulers do not export unless
+``--enable-metrics-for-all-schedulers``), so summing series never double counts.
+Per-request histograms and token counters are the tokenizer side's and carry
+``model_name`` only. Durations are modelled seconds (wall seconds divided by
+``--time-scale``), i.e. what the real deployment would report.
 """
 
 from __future__ import annotations
@@ -71,20 +72,36 @@ def stat(obj: Any, name: str, default: float = 0.0) -> float:
     return default if value is None else value
 
 
-class _EngineCollector:
-    """Reads the engine's (stale) gauges and counters at scrape time."""
+# gauges that are ratios: every DP rank reports the same value (the rest are split evenly)
+RATIO_GAUGES = frozenset({"token_usage", "cache_hit_rate", "utilization"})
 
-    def __init__(self, engine: Any, scheduler_labels: dict[str, str], model_name: str) -> None:
+
+class _EngineCollector:
+    """Reads the engine's (stale) gauges and counters at scrape time.
+
+    With DP attention (``dp_size`` > 1) every DP rank's scheduler reports its own series,
+    labelled ``dp_rank``; the engine's totals are split evenly, so a sum over ``dp_rank``
+    gives them back.
+    """
+
+    def __init__(
+        self, engine: Any, scheduler_labels: dict[str, str], model_name: str, dp_size: int = 1
+    ) -> None:
         self._engine = engine
         self._labels = scheduler_labels
         self._model = model_name
+        self._dp = dp_size
 
     def collect(self) -> Iterator[Metric]:
         logged = self._engine.logged_stats()
-        names, values = list(self._labels), list(self._labels.values())
+        names = list(self._labels) + (["dp_rank"] if self._dp > 1 else [])
+        ranks = [[*self._labels.values(), *([str(r)] if self._dp > 1 else [])]
+                 for r in range(self._dp)]  # fmt: skip
         for metric, attr, doc in SCHEDULER_GAUGES:
             g = GaugeMetricFamily(metric, doc, labels=names)
-            g.add_metric(values, float(stat(logged, attr)))
+            total = float(stat(logged, attr))
+            for values in ranks:
+                g.add_metric(values, total if attr in RATIO_GAUGES else total / self._dp)
             yield g
         counters = _counters(self._engine)
         for metric, attr, doc in COUNTERS:
@@ -103,7 +120,7 @@ def _counters(engine: Any) -> Any:
 class SimMetrics:
     """One backend's registry: engine gauges/counters plus per-request histograms."""
 
-    def __init__(self, engine: Any, *, model_name: str, parallelism: str) -> None:
+    def __init__(self, engine: Any, *, model_name: str, parallelism: str, dp_size: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         labels = {
             "model_name": model_name,
@@ -113,7 +130,7 @@ class SimMetrics:
         }
         if parallelism == "ep":
             labels["moe_ep_rank"] = "0"
-        self.registry.register(_EngineCollector(engine, labels, model_name))
+        self.registry.register(_EngineCollector(engine, labels, model_name, dp_size))
         kw = {"labelnames": ["model_name"], "registry": self.registry}
         self._ttft = Histogram(
             "sglang:time_to_first_token_seconds",

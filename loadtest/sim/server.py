@@ -57,7 +57,10 @@ class SimBackend:
         if self.engine is None:
             self.engine = Engine(self.profile, WallClock(self.time_scale), seed=self.seed)
         self.metrics = SimMetrics(
-            self.engine, model_name=self.model_name, parallelism=self.profile.parallelism
+            self.engine,
+            model_name=self.model_name,
+            parallelism=self.profile.parallelism,
+            dp_size=self.profile.dp_size,
         )
         self.health_checks = 0
 
