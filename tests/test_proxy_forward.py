@@ -424,3 +424,56 @@ async def test_priority_header_reaches_the_queue():
             assert r.status == 200
         order = [q["body"].get("tag") for q in up.requests[1:]]
         assert order == ["first", "interactive", "batch"]
+
+
+async def test_streamed_bytes_pass_through_exactly_however_chunked():
+    """Whatever the upstream sends, and however it is split, the client gets the same bytes."""
+    import random
+
+    rng = random.Random(7)
+    pieces = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"content":"\\u00e9\\r\\n"}}]}\r\n\r\n',
+        b": keep-alive comment\n\n",
+        b"data: not json\n\n",
+        b'data: {"choices":[{"index":0,\ndata: "delta":{"content":"b"}}]}\n\n',
+        b'data: {"error": {"message": "boom"}}\n\n',
+        'data: {"choices":[{"delta":{"content":"日本"}}]}\n\n'.encode(),
+        b"data: [DONE]\n\n",
+    ]
+    payload = b"".join(rng.choice(pieces) for _ in range(60)) + pieces[-1]
+    splits: list[list[bytes]] = []
+    for _ in range(6):
+        cuts = sorted(rng.sample(range(1, len(payload)), 25))
+        splits.append(
+            [payload[a:b] for a, b in zip([0, *cuts], [*cuts, len(payload)], strict=True)]
+        )
+    splits.append([payload[i : i + 1] for i in range(0, 200)] + [payload[200:]])
+
+    current: dict[str, list[bytes]] = {}
+
+    async def stream(request):
+        await request.read()
+        resp = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for part in current["parts"]:
+            await resp.write(part)
+            await asyncio.sleep(0)
+        return resp
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/health", _ok)
+    app.router.add_post("/v1/chat/completions", stream)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with running_proxy([f"http://127.0.0.1:{port}"]) as px:
+            for parts in splits:
+                current["parts"] = parts
+                r, body = await _post(px.url + "/v1/chat/completions", {"stream": True})
+                assert r.status == 200 and body == payload
+    finally:
+        await runner.cleanup()
