@@ -297,7 +297,7 @@ def server_args(backend) -> dict:
         "decode_log_interval": p.decode_log_interval,
         "stream_interval": 1,
         "enable_metrics": True,
-        "enable_dp_attention": False,
+        "enable_dp_attention": p.dp_size > 1,
         "incremental_streaming_output": False,
         "skip_server_warmup": False,
         "pp_async_batch_depth": 0,
@@ -316,12 +316,14 @@ async def server_info(request: web.Request) -> web.Response:
         **server_args(backend),
         "max_total_num_tokens": p.max_total_tokens,
         "max_req_input_len": p.context_length - 1,
-        "internal_states": [
+        "internal_states": [  # one per DP rank
             {
-                "last_gen_throughput": float(stat(logged, "gen_throughput")),
+                "dp_rank": rank,
+                "last_gen_throughput": float(stat(logged, "gen_throughput")) / p.dp_size,
                 "avg_spec_accept_length": None,
                 "memory_usage": {},
             }
+            for rank in range(p.dp_size)
         ],
         "version": backend.version,
     }
