@@ -28,6 +28,9 @@ from loadtest.selfcheck import CpuMeter, LoopLagMonitor
 from loadtest.workload import API_PATHS, Workload, WorkloadConfig
 
 
+SPIN_S = 0.0015  # open loop: the last stretch before an arrival is waited by yielding
+
+
 @dataclass
 class LevelPlan:
     """What one level runs. ``rate`` set means open loop, else closed loop at ``concurrency``."""
@@ -69,6 +72,9 @@ class Live:
     errors: int = 0
     tokens_done: int = 0
     active: dict[int, RequestRecord] = field(default_factory=dict)  # id(record) -> record
+    # set when the requests run in other processes (--processes): their summed counters
+    ext_in_flight: int | None = None
+    ext_tokens: int | None = None
 
     def started(self, rec: RequestRecord) -> None:
         self.active[id(rec)] = rec
@@ -81,9 +87,11 @@ class Live:
 
     @property
     def in_flight(self) -> int:
-        return len(self.active)
+        return len(self.active) if self.ext_in_flight is None else self.ext_in_flight
 
     def tokens(self) -> int:
+        if self.ext_tokens is not None:
+            return self.ext_tokens
         return self.tokens_done + sum(sum(r.token_counts) for r in self.active.values())
 
 
@@ -192,10 +200,14 @@ async def run_level(
         try:
             while may_start(t_next):
                 wait = t_next - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                    if stop.is_set():
-                        break
+                if wait > SPIN_S:
+                    # the loop's timers are ~1 ms coarse: sleep to just short of the
+                    # arrival, then yield until it is due
+                    await asyncio.sleep(wait - SPIN_S)
+                while time.monotonic() < t_next and not stop.is_set():
+                    await asyncio.sleep(0)
+                if stop.is_set():
+                    break
                 rec = RequestRecord(
                     level=0, worker=worker_offset + i, t_scheduled=t_next, t_send=t_next
                 )
