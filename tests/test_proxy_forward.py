@@ -4,6 +4,7 @@ timeouts, disconnects, health. Driven with the official openai client and raw ai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import aiohttp
@@ -477,3 +478,39 @@ async def test_streamed_bytes_pass_through_exactly_however_chunked():
                 assert r.status == 200 and body == payload
     finally:
         await runner.cleanup()
+
+
+async def test_connect_timeout_is_retried_elsewhere():
+    # A listener whose accept queue is full: the kernel drops further SYNs, connect hangs.
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    port = blackhole.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        c = socket.socket()
+        c.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            c.connect(("127.0.0.1", port))
+        fillers.append(c)
+    try:
+        async with (
+            fakes(1) as (up,),
+            running_proxy(
+                [f"http://127.0.0.1:{port}", up.url],
+                timeouts={"connect_s": 0.2},
+                health={"interval_s": 30, "timeout_s": 0.3},
+                routing={"policy": "round_robin"},
+            ) as px,
+        ):
+            hole = px.proxy.pool.get(f"127.0.0.1:{port}")
+            hole.set_state(State.HEALTHY)  # it was fine until now
+            for _ in range(3):
+                r, _ = await _post(px.url + "/v1/chat/completions", {"messages": []})
+                assert r.status == 200 and r.headers["X-Pipefill-Backend"] != hole.name
+            metrics = (await _get(px.url + "/metrics"))[1].decode()
+            assert f'backend="{hole.name}",kind="connect_timeout"' in metrics
+    finally:
+        for c in fillers:
+            c.close()
+        blackhole.close()
