@@ -1,13 +1,16 @@
-"""A limit in front of the simulator's engine, in virtual time: fast, deterministic.
+"""Limits and routing in front of the simulator's engine, in virtual time: fast, deterministic.
 
-``closed_loop_through_limit`` runs ``clients`` closed-loop clients through a proxy-like gate
-(the proxy's queue + one backend with ``limit``) into ``loadtest.sim.scheduler.Scheduler``.
-Observations land in a real :class:`proxy.stats.BackendStats` on the virtual clock exactly as
-the proxy's forwarding would make them (TTFT from sending upstream, ITL per event, tokens,
-completions, the in-flight count) plus a scrape of the engine's logged gauges every
-``scrape_interval_s``; ``output_len`` may be a (lo, hi) range so that closed-loop clients do not
-finish in lockstep; windows are closed by the same rule as proxy/admission.py. Used by
-tests/test_limits_sim.py and benchmarks/limit_trace.py (the trace in docs/limits-and-routing.md).
+``closed_loop_through_proxy`` runs ``clients`` closed-loop clients through a proxy-like gate
+(the proxy's FIFO queue, late binding, a routing policy, one limit per backend) into one
+``loadtest.sim.scheduler.Scheduler`` per backend. Observations land in real
+:class:`proxy.stats.BackendStats` objects on the virtual clock exactly as the proxy's
+forwarding would make them (TTFT from sending upstream, ITL per event, tokens, completions, the
+in-flight count), plus a scrape of each engine's logged gauges every ``scrape_interval_s``;
+windows are closed by the same rule as proxy/admission.py. ``output_len`` may be a (lo, hi)
+range so that closed-loop clients do not finish in lockstep.
+
+Used by tests/test_limits_sim.py and benchmarks/limit_trace.py (the traces in
+docs/limits-and-routing.md).
 """
 
 from __future__ import annotations
@@ -25,19 +28,30 @@ from proxy.stats import BackendStats
 @dataclass
 class SimRun:
     limit_trace: list[tuple[float, int, float, float]] = field(default_factory=list)
-    """(t, limit after the window, mean in flight, window tokens/s) per closed window."""
+    """(t, limit after the window, mean in flight, window tokens/s) per closed window
+    (of the first backend; ``traces`` has every backend's)."""
+    traces: dict[str, list[tuple[float, int, float, float]]] = field(default_factory=dict)
     tokens_at: list[tuple[float, int]] = field(default_factory=list)
     ttfts: list[tuple[float, float]] = field(default_factory=list)  # (t_first, client TTFT)
+    e2es: list[tuple[float, float]] = field(default_factory=list)  # (t_done, client E2E)
     completed: int = 0
+    served: dict[str, int] = field(default_factory=dict)
 
     def throughput(self, t0: float, t1: float) -> float:
         return sum(n for t, n in self.tokens_at if t0 <= t < t1) / (t1 - t0)
 
-    def ttft_pct(self, t0: float, t1: float, q: float) -> float:
-        xs = sorted(x for t, x in self.ttfts if t0 <= t < t1)
+    @staticmethod
+    def _pct(pairs: list[tuple[float, float]], t0: float, t1: float, q: float) -> float:
+        xs = sorted(x for t, x in pairs if t0 <= t < t1)
         if not xs:
             return float("nan")
         return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    def ttft_pct(self, t0: float, t1: float, q: float) -> float:
+        return self._pct(self.ttfts, t0, t1, q)
+
+    def e2e_pct(self, t0: float, t1: float, q: float) -> float:
+        return self._pct(self.e2es, t0, t1, q)
 
     def mean_limit(self, t0: float, t1: float) -> float:
         xs = [lim for t, lim, _, _ in self.limit_trace if t0 <= t < t1]
@@ -50,109 +64,150 @@ class SimRun:
         return None
 
 
-def closed_loop_through_limit(
-    profile: Profile | str,
+class SimBackend:
+    """What a policy sees (name, weight, in_flight, limit, stats) plus its engine."""
+
+    def __init__(self, name: str, profile: Profile, limit: Any, clock: list[float], seed: int):
+        self.name = name
+        self.weight = 1.0
+        self.routable = True
+        self.in_flight = 0
+        self.limit = limit
+        self.stats = BackendStats(clock=lambda: clock[0])
+        self.profile = profile
+        self.sched: Scheduler  # set by the runner (its emit closes over this backend)
+        self.seed = seed
+
+
+def closed_loop_through_proxy(
+    profiles: list[Profile | str],
     clients: int,
-    limit: Any,
+    limits: list[Any],
+    policy: Any = None,
     *,
     duration_s: float,
     input_len: int = 1024,
     output_len: int | tuple[int, int] = 512,
     tick_s: float = 0.25,
-    window_s: float | None = None,
-    window_tokens: int | None = None,
-    max_window_s: float | None = None,
     scrape_interval_s: float | None = 1.0,
     seed: int = 0,
 ) -> SimRun:
-    p = load_profile(profile) if isinstance(profile, str) else profile
-    s = getattr(limit, "s", None)
-    window_s = window_s if window_s is not None else getattr(s, "window_s", 1.0)
-    window_tokens = window_tokens if window_tokens is not None else getattr(s, "window_tokens", 0)
-    max_window_s = max_window_s if max_window_s is not None else getattr(s, "max_window_s", 5.0)
     clock = [0.0]
-    stats = BackendStats(clock=lambda: clock[0])
-    if scrape_interval_s:
-        stats.stale_after_s = 3 * scrape_interval_s
-    run = SimRun()
+    backends = []
+    for i, (prof, lim) in enumerate(zip(profiles, limits, strict=True)):
+        p = load_profile(prof) if isinstance(prof, str) else prof
+        backends.append(SimBackend(f"{p.name}-{i}", p, lim, clock, seed + i))
+    run = SimRun(traces={b.name: [] for b in backends}, served={b.name: 0 for b in backends})
     rng = random.Random(seed)
-    queued: list[float] = []  # proxy queue: each client's arrival time, FIFO
+    queued: list[float] = []  # the proxy's queue: each waiting client's arrival time, FIFO
     sent: dict[str, tuple[float, float]] = {}  # rid -> (t_arrive at proxy, t_send upstream)
     last_tok: dict[str, float] = {}
-    in_flight = 0
     counter = 0
-    sched: Scheduler
 
     def dispatch(now: float) -> None:
-        nonlocal in_flight, counter
-        while queued and in_flight < limit.limit:
+        nonlocal counter
+        while queued:
+            free = [b for b in backends if b.routable and b.in_flight < b.limit.limit]
+            if not free:
+                return
+            b = policy.pick(free) if policy is not None and len(free) > 1 else free[0]
             arrive = queued.pop(0)
             counter += 1
             rid = f"r{counter}"
             sent[rid] = (arrive, now)
-            in_flight += 1
-            stats.observe_in_flight(in_flight, limit.limit, now)
+            b.in_flight += 1
+            b.stats.observe_in_flight(b.in_flight, b.limit.limit, now)
             n_out = output_len if isinstance(output_len, int) else rng.randint(*output_len)
-            sched.submit(GenRequest(rid, input_len, n_out, ignore_eos=True), now)
+            b.sched.submit(GenRequest(rid, input_len, n_out, ignore_eos=True), now)
 
-    def emit(req: Req, ids: list[int], finish: Finish | None) -> None:
-        nonlocal in_flight
-        now = sched._now
-        clock[0] = now
-        if ids:
-            n = len(ids)
-            arrive, t_send = sent[req.rid]
-            prev = last_tok.get(req.rid)
-            if prev is None:
-                stats.observe_ttft(now - t_send)
-                run.ttfts.append((now, now - arrive))
-            else:
-                stats.observe_itl((now - prev) / n, n)
-            last_tok[req.rid] = now
-            stats.observe_tokens(n, now)
-            run.tokens_at.append((now, n))
-        if finish is not None:
-            ok = finish.type != "abort"
-            stats.observe_completion(ok, None if ok else "abort", output_tokens=req.generated)
-            sent.pop(req.rid, None)
-            last_tok.pop(req.rid, None)
-            in_flight -= 1
-            stats.observe_in_flight(in_flight, limit.limit, now)
-            run.completed += 1
-            queued.append(now)  # the closed-loop client sends its next request at once
-            dispatch(now)
+    def make_emit(b: SimBackend):
+        def emit(req: Req, ids: list[int], finish: Finish | None) -> None:
+            now = b.sched._now
+            clock[0] = now
+            stats = b.stats
+            if ids:
+                n = len(ids)
+                arrive, t_send = sent[req.rid]
+                prev = last_tok.get(req.rid)
+                if prev is None:
+                    stats.observe_ttft(now - t_send)
+                    run.ttfts.append((now, now - arrive))
+                else:
+                    stats.observe_itl((now - prev) / n, n)
+                last_tok[req.rid] = now
+                stats.observe_tokens(n, now)
+                run.tokens_at.append((now, n))
+            if finish is not None:
+                ok = finish.type != "abort"
+                stats.observe_completion(ok, None if ok else "abort", output_tokens=req.generated)
+                arrive, _ = sent.pop(req.rid, (now, now))
+                last_tok.pop(req.rid, None)
+                b.in_flight -= 1
+                stats.observe_in_flight(b.in_flight, b.limit.limit, now)
+                run.completed += 1
+                run.served[b.name] += 1
+                run.e2es.append((now, now - arrive))
+                queued.append(now)  # the closed-loop client sends its next request at once
+                dispatch(now)
 
-    sched = Scheduler(p, seed=seed, emit=emit, make_ids=False)
+        return emit
+
+    for b in backends:
+        b.sched = Scheduler(b.profile, seed=b.seed, emit=make_emit(b), make_ids=False)
+        if scrape_interval_s:
+            b.stats.stale_after_s = 3 * scrape_interval_s
     queued.extend([0.0] * clients)
     dispatch(0.0)
     next_tick = tick_s
     next_scrape = scrape_interval_s or float("inf")
     while True:
-        t_eng = sched.next_time()
-        t = min(x for x in (t_eng, next_tick, next_scrape) if x is not None)
+        t, due = min(((b.sched.next_time(), b) for b in backends), key=_key)
+        t = min(x for x in (t, next_tick, next_scrape) if x is not None)
         if t >= duration_s:
             break
         clock[0] = t
-        if t_eng is not None and t_eng <= t:
-            sched.advance(t)
+        if due is not None and due.sched.next_time() is not None and due.sched.next_time() <= t:
+            due.sched.advance(t)
             continue
         if next_scrape <= t:
-            lg = sched.logged_stats()
-            stats.observe_scrape(
-                ok=True,
-                queue_reqs=float(lg.num_queue_reqs),
-                running_reqs=float(lg.num_running_reqs),
-                token_usage=float(lg.token_usage),
-                now=t,
-            )
+            for b in backends:
+                lg = b.sched.logged_stats()
+                b.stats.observe_scrape(
+                    ok=True,
+                    queue_reqs=float(lg.num_queue_reqs),
+                    running_reqs=float(lg.num_running_reqs),
+                    token_usage=float(lg.token_usage),
+                    now=t,
+                )
             next_scrape = t + (scrape_interval_s or float("inf"))
         if next_tick <= t:
-            age = t - stats.window_started
-            if age >= window_s and (stats.window_tokens() >= window_tokens or age >= max_window_s):
-                w = stats.take_window(t)
-                limit.update(w)
-                stats.observe_in_flight(in_flight, limit.limit, t)
-                run.limit_trace.append((t, limit.limit, w.in_flight, w.tokens_per_s))
-                dispatch(t)
+            for i, b in enumerate(backends):
+                s = getattr(b.limit, "s", None)
+                window_s = getattr(s, "window_s", 1.0)
+                age = t - b.stats.window_started
+                if age < window_s:
+                    continue
+                if s is not None and b.stats.window_tokens() < s.window_tokens:
+                    if age < s.max_window_s:
+                        continue
+                w = b.stats.take_window(t)
+                b.limit.update(w)
+                b.stats.observe_in_flight(b.in_flight, b.limit.limit, t)
+                row = (t, b.limit.limit, w.in_flight, w.tokens_per_s)
+                run.traces[b.name].append(row)
+                if i == 0:
+                    run.limit_trace.append(row)
+            dispatch(t)
             next_tick = t + tick_s
     return run
+
+
+def _key(pair: tuple[float | None, Any]) -> float:
+    return float("inf") if pair[0] is None else pair[0]
+
+
+def closed_loop_through_limit(
+    profile: Profile | str, clients: int, limit: Any, **kwargs: Any
+) -> SimRun:
+    """One backend behind the proxy's queue."""
+    return closed_loop_through_proxy([profile], clients, [limit], None, **kwargs)
