@@ -27,7 +27,6 @@ from loadtest.records import RequestRecord
 from loadtest.selfcheck import CpuMeter, LoopLagMonitor
 from loadtest.workload import API_PATHS, Workload, WorkloadConfig
 
-
 SPIN_S = 0.0015  # open loop: the last stretch before an arrival is waited by yielding
 
 
@@ -204,7 +203,7 @@ async def run_level(
                     # the loop's timers are ~1 ms coarse: sleep to just short of the
                     # arrival, then yield until it is due
                     await asyncio.sleep(wait - SPIN_S)
-                while time.monotonic() < t_next and not stop.is_set():
+                while time.monotonic() < t_next and not stop.is_set():  # noqa: ASYNC110
                     await asyncio.sleep(0)
                 if stop.is_set():
                     break
