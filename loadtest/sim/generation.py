@@ -127,10 +127,12 @@ class Generation:
             ids = list(event.token_ids)
             piece = "".join(tokens.token_text(t) for t in ids)
             finish = finish_json(event.finish) if event.finish is not None else None
+            text = self.text + piece
             if self.stop and ids:
-                ids, piece, finish = self._apply_stop(ids, piece, finish)
+                ids, text, finish = self._apply_stop(ids, finish)
+                piece = text[len(self.text) :]
             self.output_ids.extend(ids)
-            self.text += piece
+            self.text = text
             self.num_retractions = int(getattr(self._stream, "num_retractions", 0) or 0)
             if finish is not None:
                 self.finish = finish
@@ -141,17 +143,18 @@ class Generation:
             self.finish = {"type": "abort", "message": "Abort"}
             yield Step([], "", self.finish)
 
-    def _apply_stop(self, ids: list[int], piece: str, finish: dict | None):
-        """Stop at the first stop string (trimmed from the output, as SGLang does)."""
-        for i in range(len(ids)):
-            text = self.text + "".join(tokens.token_text(t) for t in ids[: i + 1])
+    def _apply_stop(self, ids: list[int], finish: dict | None) -> tuple[list[int], str, Any]:
+        """Stop at the first stop string: it is trimmed from the text, as SGLang does, and
+        the rest of the generation is aborted in the engine."""
+        text = self.text
+        for i, token in enumerate(ids):
+            text += tokens.token_text(token)
             for s in self.stop:
-                at = text.find(s, max(len(self.text) - len(s), 0))
+                at = text.find(s, max(len(self.text) - len(s) + 1, 0))
                 if at >= 0:
                     self.backend.engine.abort(self.rid)
-                    kept = ids[: i + 1]
-                    return kept, text[:at][len(self.text) :], {"type": "stop", "matched": s}
-        return ids, piece, finish
+                    return ids[: i + 1], text[:at], {"type": "stop", "matched": s}
+        return ids, text, finish
 
     async def run_to_end(self) -> None:
         async for _ in self.steps():

@@ -10,7 +10,6 @@ HTTP/1.1 cleanly.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -26,7 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from loadtest.sim.clock import WallClock
 from loadtest.sim.engine import Engine
-from loadtest.sim.faults import FaultConfig, Faults
+from loadtest.sim.faults import Faults
 from loadtest.sim.http_util import BACKEND
 from loadtest.sim.profiles import Profile
 from loadtest.sim.prom import SimMetrics
@@ -154,12 +153,5 @@ async def serve(
             await r.cleanup()
 
 
-async def wait_forever() -> None:
-    await asyncio.Event().wait()
-
-
 def open_trace(path: str | None) -> IO[bytes] | None:
     return None if path is None else Path(path).open("ab")
-
-
-__all__ = ["FaultConfig", "SimBackend", "build_app", "serve"]
