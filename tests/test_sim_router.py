@@ -8,6 +8,7 @@ traceback in its log, and then serve requests routed round-robin.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -59,12 +60,14 @@ async def _metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
 async def test_router_round_robin_over_two_simulators(tmp_path):
     p1, p2, rport, mport = (free_port() for _ in range(4))
     sim_log = tmp_path / "sim.log"
+    trace = tmp_path / "trace.jsonl"
     router_log = tmp_path / "router.log"
     workers = [f"http://127.0.0.1:{p1}", f"http://127.0.0.1:{p2}"]
     with sim_log.open("wb") as slog, router_log.open("wb") as rlog:
         sim = subprocess.Popen(  # noqa: ASYNC220 - Popen does not block
             [sys.executable, "-m", "loadtest.cli", "sim", "--profile", "tp8", "--profile", "pp8",
-             "--port", str(p1), "--port", str(p2), "--time-scale", "0.02"],
+             "--port", str(p1), "--port", str(p2), "--time-scale", "0.02",
+             "--trace", str(trace)],
             cwd=ROOT, stdout=slog, stderr=subprocess.STDOUT,
         )  # fmt: skip
         router = None
@@ -106,3 +109,9 @@ async def test_router_round_robin_over_two_simulators(tmp_path):
     assert "Traceback" not in log, log
     assert " ERROR " not in log, log
     assert log.count("on http://127.0.0.1:") == 2
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sorted(r["route"] for r in records) == ["chat"] * 5 + ["generate"]
+    assert {r["port"] for r in records} == {p1, p2}
+    for r in records:
+        assert r["arrival"] <= r["first_token"] <= r["last_token"] <= r["end"]
+        assert r["finish"] == "length"
