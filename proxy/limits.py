@@ -47,7 +47,7 @@ class LimitSettings(BaseModel):
         0.3,
         ge=0,
         le=1,
-        description="a step up by x% must add at least min_gain*x% token throughput to be kept",
+        description="a step up by x% in flight must add >= min_gain*x% token rate to be kept",
     )
     latency_tolerance: float = Field(
         0.1, ge=0, description="ITL/TTFT above (1+tolerance) x reference count as rising"
@@ -58,7 +58,7 @@ class LimitSettings(BaseModel):
         description="at the knee, ITL or TTFT this far above the reference while "
         "throughput did not grow means the backend changed: search again",
     )
-    measure_windows: int = Field(3, ge=1, description="windows averaged per measured level")
+    measure_windows: int = Field(3, ge=1, description="windows per measured level (median of them)")
     settle_windows: int = Field(1, ge=0, description="windows ignored after a limit change")
     probe_every: int = Field(6, ge=1, description="measurements held at the knee between probes")
     backoff: float = Field(0.85, gt=0, lt=1, description="multiplicative decrease on congestion")
