@@ -376,8 +376,9 @@ class Forwarder:
             b.stats.observe_tokens(tokens, now)
         if ok:
             self.health.record_success(b)
+        fine = ok and resp.status != 429  # ADAPT: a 429 counts as slow for routing
         b.stats.observe_completion(
-            ok, None if ok else f"http_{resp.status}", now - t_arrive, output_tokens=tokens
+            fine, None if fine else f"http_{resp.status}", now - t_arrive, output_tokens=tokens
         )
         bm.duration.observe(now - t_arrive)
         self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
