@@ -69,4 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the package's module so sub-commands raise the same CliError class.
+    from loadtest.cli import main as package_main
+
+    sys.exit(package_main())
