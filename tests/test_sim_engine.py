@@ -328,21 +328,40 @@ async def test_logged_stats_stale_live_stats_current(make_engine):
     p = TP8.with_overrides(decode_log_interval=1000)  # only prefill batches log here
     e = await make_engine(p)
     assert e.logged_stats().num_running_reqs == 0
-    a = e.submit(GenRequest("a", 10, 200, ignore_eos=True))
+    a = e.submit(GenRequest("a", 10, 100, ignore_eos=True))
     await settle()
-    assert e.logged_stats().num_running_reqs == 1  # the prefill batch logged
+    # a prefill batch logs the running batch without the requests it prefills (SGLang's
+    # running_bs), and the KV tokens in use
+    logged = e.logged_stats()
+    assert logged.num_running_reqs == 0 and logged.num_used_tokens == 11
+    await e.clock.sleep(1.0)
     b = e.submit(GenRequest("b", 10, 400, ignore_eos=True))
     await e.clock.sleep(step_cost_ms(p, 1) / 1000 * 1.5)
-    assert e.logged_stats().num_running_reqs == 2  # b's prefill batch logged
+    logged = e.logged_stats()  # b's prefill batch: a was running
+    assert logged.num_running_reqs == 1
+    at_b = logged.num_used_tokens
     await collect(a)
     await e.clock.sleep(1.0)
     live, logged = e.live_stats(), e.logged_stats()
-    assert live.num_running_reqs == 1 and logged.num_running_reqs == 2  # stale
-    assert logged.num_used_tokens < live.num_used_tokens
+    assert live.num_running_reqs == 1 and logged.num_used_tokens == at_b  # stale
+    assert live.num_used_tokens != at_b and logged.time < live.time
     await collect(b)
     await e.clock.sleep(5.0)  # idle: live goes to zero, logged keeps its last value
-    assert e.live_stats().num_running_reqs == 0 and e.live_stats().num_used_tokens == 0
-    assert e.logged_stats().num_running_reqs == 2 and e.logged_stats().num_used_tokens > 0
+    live, logged = e.live_stats(), e.logged_stats()
+    assert live.num_running_reqs == 0 and live.num_used_tokens == 0
+    assert logged.num_running_reqs == 1 and logged.num_used_tokens == at_b
+
+
+async def test_pp_logged_running_is_the_micro_batch():
+    """Under PP, SGLang's num_running_reqs gauge shows the micro-batch being scheduled."""
+    p = PP8.with_overrides(decode_log_interval=1)
+    s = Scheduler(p)
+    for i in range(3 * p.micro_batch_cap):
+        s.submit(GenRequest(f"r{i}", 10, 50, ignore_eos=True), 0.0)
+    while s.counters.decode_steps_total < 10:
+        s.advance(s.next_time())
+    assert s.live_stats().num_running_reqs == 3 * p.micro_batch_cap
+    assert s.logged_stats().num_running_reqs == p.micro_batch_cap
 
 
 async def test_logged_refresh_every_decode_log_interval():

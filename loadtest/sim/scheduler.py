@@ -501,14 +501,16 @@ class Scheduler:
         self._seq += 1
         heapq.heappush(self._passes, (t_done, self._seq, ps))
         # SGLang's gauges: written on prefill batches and every decode_log_interval decodes
+        # num_running_reqs as SGLang logs it: the running batch (under PP: this micro-batch)
+        # without the requests being prefilled (len(self.running_batch.reqs))
         if prefill_tokens:
             self.counters.prefill_batches_total += 1
-            self._log(len(slot), decode=False)
+            self._log(len(decoders), decode=False)
         if decoders:
             self.counters.decode_steps_total += 1
             self._decode_ct += 1
             if self._decode_ct % p.decode_log_interval == 0:
-                self._log(len(slot), decode=True)
+                self._log(len(decoders), decode=True)
         return True
 
     def _retract(self, req: Req) -> None:
@@ -550,20 +552,19 @@ class Scheduler:
         """What SGLang's scheduler gauges show: the values at the last log point."""
         return replace(self._logged)
 
-    def _log(self, running_in_batch: int, *, decode: bool) -> None:
-        live = self.live_stats()
+    def _log(self, running_batch: int, *, decode: bool) -> None:
+        """SGLang's log_prefill_stats / log_decode_stats: write the gauges."""
         lg = self._logged
-        # under PP SGLang logs the micro-batch being scheduled as the running batch
-        lg.num_running_reqs = running_in_batch if self.stages > 1 else live.num_running_reqs
-        lg.num_queue_reqs = live.num_queue_reqs
-        lg.num_used_tokens = live.num_used_tokens
-        lg.token_usage = live.token_usage
-        lg.max_total_num_tokens = live.max_total_num_tokens
+        lg.num_running_reqs = running_batch
+        lg.num_queue_reqs = len(self.waiting)
+        lg.num_used_tokens = self.used_tokens
+        lg.token_usage = self.used_tokens / self.profile.max_total_tokens
+        lg.max_total_num_tokens = self.profile.max_total_tokens
+        lg.num_retracted_reqs = self._log_retracted  # retractions since the previous log
+        self._log_retracted = 0
         lg.time = self._now
-        if decode:
+        if decode:  # only decode logs recompute gen_throughput
             gap = self._now - self._log_t
             lg.gen_throughput = self._log_tokens / gap if gap > 0 else 0.0
-            lg.num_retracted_reqs = self._log_retracted
             self._log_tokens = 0
             self._log_t = self._now
-            self._log_retracted = 0
