@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policy", help="routing policy (routing.policy)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--print-config-reference",
+        action="store_true",
+        help="print every setting with its environment variable (Markdown) and exit",
+    )
     return p
 
 
@@ -86,6 +91,11 @@ async def serve(settings: Settings, config: str | None, overrides: dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.print_config_reference:
+        from proxy.config_reference import render
+
+        print(render(), end="")
+        return 0
     overrides = overrides_from(args)
     try:
         settings = load_settings(args.config, **overrides)

@@ -31,25 +31,29 @@ class Section(BaseModel):
 
 
 class ServerSettings(Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="listen address")
+    port: int = Field(8080, ge=0, le=65535, description="listen port (0 = any free port)")
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="larger bodies get 413")
     max_header_bytes: int = Field(16 * 1024, gt=0, description="per header line; larger gets 431")
-    max_headers: int = Field(128, gt=0)
+    max_headers: int = Field(128, gt=0, description="header lines per request; more gets 431")
     api_keys: list[str] = Field(
         default_factory=list, description="client Bearer keys; empty = open"
     )
     admin_key: str | None = Field(None, description="Bearer key for /admin/*; unset = read-only")
     metrics_public: bool = Field(True, description="serve /metrics without a client key")
     shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: time streams may finish")
-    log_prompts: bool = False
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    backend_header: str = "X-Pipefill-Backend"
-    request_id_header: str = "X-Request-ID"
+    log_prompts: bool = Field(False, description="log request bodies (prompts) at debug level")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    backend_header: str = Field(
+        "X-Pipefill-Backend", description="response header naming the backend that served"
+    )
+    request_id_header: str = Field(
+        "X-Request-ID", description="taken from the client or made, and passed upstream"
+    )
 
 
 class TimeoutSettings(Section):
-    connect_s: float = Field(5.0, gt=0)
+    connect_s: float = Field(5.0, gt=0, description="TCP connect to a backend")
     first_byte_s: float = Field(
         600.0, gt=0, description="request sent -> response headers (covers queueing + prefill)"
     )
@@ -59,9 +63,12 @@ class TimeoutSettings(Section):
 
 class RetrySettings(Section):
     max_attempts: int = Field(3, ge=1, description="backends tried per request, first included")
-    backoff_base_s: float = Field(0.02, ge=0)
-    backoff_max_s: float = Field(0.5, ge=0)
-    retry_statuses: list[int] = Field(default_factory=lambda: [500, 502, 503, 504])
+    backoff_base_s: float = Field(0.02, ge=0, description="first retry backoff (jittered)")
+    backoff_max_s: float = Field(0.5, ge=0, description="backoff ceiling (doubles per attempt)")
+    retry_statuses: list[int] = Field(
+        default_factory=lambda: [500, 502, 503, 504],
+        description="upstream statuses retried on another backend (never after bytes were sent)",
+    )
 
 
 class UpstreamSettings(Section):
@@ -74,8 +81,8 @@ class UpstreamSettings(Section):
 
 class HealthSettings(Section):
     path: str = Field("/health", description="/health or /health_generate")
-    interval_s: float = Field(5.0, gt=0)
-    timeout_s: float = Field(5.0, gt=0)
+    interval_s: float = Field(5.0, gt=0, description="seconds between active checks")
+    timeout_s: float = Field(5.0, gt=0, description="an active check slower than this failed")
     healthy_threshold: int = Field(2, ge=1, description="successes to become healthy again")
     unhealthy_threshold: int = Field(2, ge=1, description="failed checks to become unhealthy")
     passive_failures: int = Field(
@@ -92,11 +99,15 @@ class HealthSettings(Section):
 
 
 class BackendSettings(Section):
-    name: str | None = None
-    url: str
-    parallelism: Literal["pp", "tp", "ep"] | None = None
-    pp_size: int | None = Field(None, ge=1)
-    weight: float = Field(1.0, gt=0)
+    name: str | None = Field(None, description="label in metrics and /admin (default host:port)")
+    url: str = Field(description="the SGLang server, e.g. http://127.0.0.1:30000")
+    parallelism: Literal["pp", "tp", "ep"] | None = Field(
+        None, description="deployment hint; a pp backend's limit never goes below pp_size"
+    )
+    pp_size: int | None = Field(None, ge=1, description="pipeline stages (with parallelism pp)")
+    weight: float = Field(
+        1.0, gt=0, description="relative share of traffic (every policy divides by it)"
+    )
     api_key: str | None = Field(None, description="Bearer key the backend expects")
     limits: dict[str, Any] = Field(default_factory=dict, description="overrides of [limits]")
 
