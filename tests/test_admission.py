@@ -281,3 +281,32 @@ async def test_snapshot_reports_depth_waits_and_rejections():
         "no_healthy_backend",
         "client_gone",
     }
+
+
+async def test_works_with_the_proxys_backend_pool():
+    from proxy.backends import BackendPool, State, default_limit_factory
+    from proxy.limits import LimitSettings
+    from proxy.settings import BackendSettings
+
+    limits = LimitSettings()
+    pool = BackendPool(lambda b: default_limit_factory(limits, b))
+    pp = pool.add(BackendSettings(name="pp", url="http://127.0.0.1:1", parallelism="pp", pp_size=8))
+    tp = pool.add(BackendSettings(name="tp", url="http://127.0.0.1:2", parallelism="tp"))
+    for b in (pp, tp):
+        b.set_state(State.HEALTHY)
+        b.stats.observe_first_byte()
+    assert pp.limit.limit == 8 and pp.limit.floor == 8
+    adm = Admission(pool, make_policy("least_in_flight"), max_queue=10, queue_deadline_s=5)
+    leases = [await adm.acquire() for _ in range(16)]
+    assert pp.in_flight == 8 and tp.in_flight == 8
+    pool.drain("tp")
+    adm.wake()
+    waiter = asyncio.create_task(adm.acquire())
+    await settle()
+    for lease in leases:
+        if lease.backend is tp:
+            lease.release()
+    await settle()
+    assert not waiter.done()  # the draining backend takes nothing new
+    next(lease for lease in leases if lease.backend is pp).release()
+    assert (await waiter).backend is pp
