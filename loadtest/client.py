@@ -46,7 +46,9 @@ def make_session(
     connector = aiohttp.TCPConnector(
         limit=max(pool_size, 1),
         limit_per_host=0,
-        keepalive_timeout=60,
+        # below uvicorn's 5 s idle timeout (SGLang's server), so the client never reuses a
+        # connection the server is about to close
+        keepalive_timeout=4.0,
         ttl_dns_cache=None,
         enable_cleanup_closed=False,
     )
@@ -254,6 +256,23 @@ async def probe(session: aiohttp.ClientSession, target: Target) -> None:
         raise TargetError(f"cannot reach {target.url}: {exc.os_error or exc}") from None
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise TargetError(f"cannot reach {target.url}: {type(exc).__name__} {exc}") from None
+
+
+async def warm_connections(session: aiohttp.ClientSession, target: Target, n: int) -> None:
+    """Open ``n`` keep-alive connections (concurrent cheap GETs) before a level starts, so
+    no measured request pays for a TCP connect. Failures are ignored: the level reports them.
+    """
+
+    async def one() -> None:
+        try:
+            async with session.get(
+                target.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)
+            ) as resp:
+                await resp.read()
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+
+    await asyncio.gather(*(one() for _ in range(max(n, 0))))
 
 
 async def server_info(session: aiohttp.ClientSession, target: Target) -> dict[str, Any] | None:

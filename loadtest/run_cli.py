@@ -170,10 +170,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lv.add_argument(
         "--time-scale",
         type=_positive,
-        default=1.0,
+        default=None,
         metavar="X",
         help="the target is `loadtest sim --time-scale X`: durations are given "
-        "and results reported in modelled seconds (wall = modelled * X)",
+        "and results reported in modelled seconds (wall = modelled * X); default: the "
+        "target's /get_server_info sim_time_scale, else 1",
     )
     lv.add_argument(
         "--processes",

@@ -22,7 +22,7 @@ from typing import Literal
 
 import aiohttp
 
-from loadtest.client import Target, execute
+from loadtest.client import Target, execute, warm_connections
 from loadtest.records import RequestRecord
 from loadtest.selfcheck import CpuMeter, LoopLagMonitor
 from loadtest.workload import API_PATHS, Workload, WorkloadConfig
@@ -129,6 +129,7 @@ async def run_level(
     records: list[RequestRecord] = []
     delays: list[float] = []
     lag = LoopLagMonitor()
+    await warm_connections(session, target, min(plan.concurrency or plan.max_in_flight, 1024))
     gc.collect()
     gc.freeze()
     gc.disable()
@@ -295,14 +296,16 @@ class SweepOptions:
     requests: int | None = None
     drain_timeout: float = 60.0
     repeat: int = 1
-    time_scale: float = 1.0  # wall seconds per modelled second of a `loadtest sim --time-scale`
+    # wall seconds per modelled second of a `loadtest sim --time-scale`; None: ask the target
+    # (/get_server_info "sim_time_scale"), 1 for a real server
+    time_scale: float | None = None
     processes: int = 1
     slo: dict[str, float] | None = None
     progress: bool = False
     save_payloads: str | None = None
 
     def plans(self) -> list[LevelPlan]:
-        s = self.time_scale
+        s = self.time_scale or 1.0
         common = dict(
             warmup=self.warmup * s,
             duration=None if self.duration is None else self.duration * s,
@@ -395,8 +398,7 @@ class Sweep:
             headers=dict(opts.headers),
             request_timeout=opts.request_timeout,
         )
-        plans = self.options.plans()
-        pool = max([p.concurrency for p in plans] + [1])
+        pool = max([*opts.concurrency, 1])
         if opts.rates:
             pool = min(opts.max_in_flight, 4096)
         session = make_session(target, pool)
@@ -410,6 +412,12 @@ class Sweep:
             except TargetError as exc:
                 outcome.error = str(exc)
                 return outcome
+            if opts.time_scale is None:  # a `loadtest sim` says its own time scale
+                scale = (info or {}).get("sim_time_scale")
+                opts.time_scale = (
+                    float(scale) if isinstance(scale, int | float) and scale > 0 else 1.0
+                )
+            plans = opts.plans()
             metadata.update(
                 target=target.url,
                 model=self.config.model,
