@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print every setting with its environment variable (Markdown) and exit",
     )
+    p.add_argument(
+        "--print-metrics-reference",
+        action="store_true",
+        help="print every metric /metrics exports (Markdown) and exit",
+    )
     return p
 
 
@@ -91,10 +96,11 @@ async def serve(settings: Settings, config: str | None, overrides: dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.print_config_reference:
-        from proxy.config_reference import render
+    if args.print_config_reference or args.print_metrics_reference:
+        from proxy import reference
 
-        print(render(), end="")
+        text = reference.config_markdown() if args.print_config_reference else ""
+        print(text + (reference.metrics_markdown() if args.print_metrics_reference else ""), end="")
         return 0
     overrides = overrides_from(args)
     try:

@@ -1,7 +1,8 @@
-"""The configuration reference, generated from the settings model so it cannot drift.
+"""The configuration and metrics references, generated from the code so they cannot drift.
 
-``proxy --print-config-reference`` prints it as Markdown; README.md carries a copy between
-``<!-- config-reference:start -->`` and ``<!-- config-reference:end -->`` that a test compares.
+``proxy --print-config-reference`` and ``proxy --print-metrics-reference`` print them as
+Markdown; README.md carries copies between ``<!-- config-reference:start/end -->`` and
+``<!-- metrics-reference:start/end -->`` markers that a test compares.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _rows(section: str, model: type[BaseModel], env: bool) -> list[str]:
     return rows
 
 
-def render() -> str:
+def config_markdown() -> str:
     """The whole reference: one table per ``[section]``, then ``[[backends]]``."""
     header = "| key | type | default | environment | meaning |\n|---|---|---|---|---|"
     out: list[str] = []
@@ -72,3 +73,28 @@ def render() -> str:
         *_rows("backends", BackendSettings, env=False),
     ]
     return "\n".join(out) + "\n"
+
+
+def metrics_markdown() -> str:
+    """Every metric the proxy exports: exposed name, type, labels, meaning."""
+    from proxy.app import Proxy
+    from proxy.settings import load_settings
+
+    proxy = Proxy(load_settings(None, backends=[{"url": "http://127.0.0.1:9", "name": "b"}]))
+    registry = proxy.metrics.registry
+    labels_of: dict[str, tuple[str, ...]] = {}
+    for collector in list(registry._collector_to_names):  # prometheus-client keeps no public map
+        names = getattr(collector, "_labelnames", None)
+        if names is not None:
+            labels_of[collector._name] = tuple(names)
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for family in registry.collect():
+        labels = labels_of.get(family.name) or sorted(
+            {k for s in family.samples for k in s.labels} - {"le"}
+        )
+        if not labels and family.name.startswith("pipefill_backend_"):
+            labels = ["backend"]  # per-backend gauges with no value yet export no sample
+        exposed = family.name + ("_total" if family.type == "counter" else "")
+        doc = family.documentation.replace("|", "\\|")
+        rows.append(f"| `{exposed}` | {family.type} | {', '.join(labels)} | {doc} |")
+    return "\n".join(rows) + "\n"
