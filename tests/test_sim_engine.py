@@ -522,3 +522,23 @@ async def test_engine_matches_scheduler_with_staggered_submits(profile, make_eng
         assert s.t_arrival == pytest.approx(done[s.rid].arrival)
         assert s.t_first == pytest.approx(done[s.rid].t_first)
         assert s.t_last == pytest.approx(done[s.rid].t_last)
+
+
+def test_long_run_keeps_bounded_state():
+    """Hours of modelled time do not grow the scheduler's bookkeeping."""
+    s = Scheduler(TP8)
+    n = 0
+
+    def resubmit(req, ids, fin):
+        nonlocal n
+        if fin is not None:
+            n += 1
+            s.submit(GenRequest(f"r{n}", 100, 50, ignore_eos=True), s._now)
+
+    s.emit = resubmit
+    for i in range(8):
+        s.submit(GenRequest(f"first{i}", 100, 50, ignore_eos=True), 0.0)
+    while s._now < 600.0:
+        s.advance(s.next_time())
+    assert n > 1000
+    assert len(s._recent) < 100 and len(s._passes) <= 1 and len(s.reqs) == 8

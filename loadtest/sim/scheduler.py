@@ -370,6 +370,8 @@ class Scheduler:
         if produced:
             self._recent.append((now, produced))
             self._log_tokens += produced
+            while self._recent[0][0] < now - 1.0:  # keep one modelled second
+                self._recent.popleft()
 
     def _spin(self) -> None:
         """Move the cursor past empty slots while stage 0 is idle and nobody waits.
