@@ -98,3 +98,37 @@ def metrics_markdown() -> str:
         doc = family.documentation.replace("|", "\\|")
         rows.append(f"| `{exposed}` | {family.type} | {', '.join(labels)} | {doc} |")
     return "\n".join(rows) + "\n"
+
+
+BLOCKS = {"config-reference": config_markdown, "metrics-reference": metrics_markdown}
+
+
+def readme_blocks(text: str) -> dict[str, str]:
+    """The generated blocks as they stand in README text, by marker name."""
+    out = {}
+    for name in BLOCKS:
+        start, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
+        if start in text and end in text:
+            out[name] = text.split(start, 1)[1].split(end, 1)[0]
+    return out
+
+
+def update_readme(path: str = "README.md") -> None:
+    """Rewrite README's generated blocks in place: ``python -m proxy.reference``."""
+    from pathlib import Path
+
+    file = Path(path)
+    text = file.read_text()
+    for name, render in BLOCKS.items():
+        current = readme_blocks(text).get(name)
+        if current is not None:
+            text = text.replace(
+                f"<!-- {name}:start -->\n{current}", f"<!-- {name}:start -->\n{render()}", 1
+            )
+    file.write_text(text)
+
+
+if __name__ == "__main__":
+    import sys
+
+    update_readme(*sys.argv[1:2])
