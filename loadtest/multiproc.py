@@ -41,18 +41,19 @@ def _child(conn: Any, job: dict[str, Any]) -> None:
     except ImportError:  # pragma: no cover
         runner = asyncio.Runner()
     with runner:
-        result = runner.run(_child_level(conn, job))
-    conn.send(("result", result))
+        result, payloads = runner.run(_child_level(conn, job))
+    conn.send(("result", result, payloads))
     conn.close()
 
 
-async def _child_level(conn: Any, job: dict[str, Any]) -> LevelResult:
+async def _child_level(conn: Any, job: dict[str, Any]) -> tuple[LevelResult, list | None]:
     from loadtest.client import make_session
     from loadtest.runner import run_level
 
     target: Target = job["target"]
     plan: LevelPlan = job["plan"]
-    workload = Workload(job["config"], start=job["index"], step=job["processes"])
+    sink: list | None = [] if job["save_payloads"] else None
+    workload = Workload(job["config"], start=job["index"], step=job["processes"], sink=sink)
     stop = asyncio.Event()
     live = Live()
     loop = asyncio.get_running_loop()
@@ -78,7 +79,7 @@ async def _child_level(conn: Any, job: dict[str, Any]) -> LevelResult:
 
     reporter = asyncio.create_task(progress())
     try:
-        return await run_level(
+        result = await run_level(
             session,
             target,
             workload,
@@ -90,6 +91,7 @@ async def _child_level(conn: Any, job: dict[str, Any]) -> LevelResult:
             arrival_seed=job["arrival_seed"],
             rate_phase=job["rate_phase"],
         )
+        return result, sink
     finally:
         reporter.cancel()
         await session.close()
@@ -129,6 +131,7 @@ async def run_level_processes(
                 "worker_offset": offset if not plan.open_loop else p * 10_000_000,
                 "arrival_seed": f"{config.seed}:p{p}",
                 "rate_phase": p / n,
+                "save_payloads": workload.sink is not None,
             }
         )
         offset += share
@@ -172,6 +175,8 @@ async def run_level_processes(
                     live.ext_tokens = sum(p[3] for p in parts)
                 elif msg[0] == "result":
                     results[i] = msg[1]
+                    if workload.sink is not None and msg[2]:
+                        workload.sink.extend(msg[2])
                     return
 
         collectors = asyncio.gather(*(collect(i, c) for i, c in enumerate(pipes)))

@@ -22,6 +22,9 @@ from loadtest.cli import CliError
 from loadtest.workload import API_PATHS, LengthDist, WorkloadConfig, load_dataset
 
 DEFAULT_CONCURRENCY = "1,4,32"
+# the workload the simulator's profiles were calibrated with (1024-token prompts, 512 out)
+DEFAULT_INPUT, DEFAULT_OUTPUT = 1024, 512
+DEFAULT_WARMUP, DEFAULT_DURATION = 15.0, 45.0  # the default sweep takes ~4-5 minutes
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -136,14 +139,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_positive,
         default=None,
         metavar="S",
-        help="steady-state window per level in seconds (default 30)",
+        help="steady-state window per level in seconds (default 45)",
     )
     lv.add_argument(
         "--warmup",
         type=_nonneg,
         default=None,
         metavar="S",
-        help="seconds before the window opens (default 10; 0 with --requests)",
+        help="seconds before the window opens (default 15; 0 with --requests)",
     )
     lv.add_argument(
         "--requests",
@@ -188,17 +191,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--input-len",
         type=_length,
-        default=LengthDist("fixed", 512),
+        default=LengthDist("fixed", DEFAULT_INPUT),
         metavar="DIST",
         help="prompt tokens: 512, uniform:256-768, normal:512,64 "
-        "(default 512; synthetic prompts, one token per word)",
+        "(default 1024; synthetic prompts, one token per word)",
     )
     w.add_argument(
         "--output-len",
         type=_length,
         default=None,
         metavar="DIST",
-        help="max_tokens per request, same forms (default 256)",
+        help="max_tokens per request, same forms (default 512)",
     )
     eos = w.add_mutually_exclusive_group()
     eos.add_argument(
@@ -304,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model or "default",
         stream=args.stream,
         input_len=args.input_len,
-        output_len=args.output_len or LengthDist("fixed", 256),
+        output_len=args.output_len or LengthDist("fixed", DEFAULT_OUTPUT),
         output_len_given=args.output_len is not None,
         ignore_eos=args.ignore_eos,
         shared_prefix=args.shared_prefix,
@@ -325,8 +328,8 @@ def run(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         duration=args.duration
         if args.duration is not None
-        else (None if args.requests is not None else 30.0),
-        warmup=args.warmup if args.warmup is not None else (0.0 if args.requests else 10.0),
+        else (None if args.requests is not None else DEFAULT_DURATION),
+        warmup=args.warmup if args.warmup is not None else (0.0 if args.requests else DEFAULT_WARMUP),
         requests=args.requests,
         drain_timeout=args.drain_timeout,
         repeat=args.repeat,

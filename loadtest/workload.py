@@ -247,8 +247,8 @@ class WorkloadConfig:
     api: Api = "chat"
     model: str = "default"
     stream: bool = True
-    input_len: LengthDist = LengthDist("fixed", 512)
-    output_len: LengthDist = LengthDist("fixed", 256)
+    input_len: LengthDist = LengthDist("fixed", 1024)
+    output_len: LengthDist = LengthDist("fixed", 512)
     output_len_given: bool = True  # False: a dataset's own per-prompt hint wins
     ignore_eos: bool | None = None  # None: on for synthetic prompts, off for a dataset
     shared_prefix: int = 0  # words shared by every prompt (prefix-cache workloads)

@@ -136,3 +136,23 @@ def _rc(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+
+
+def test_processes_merge_into_one_level(fake, tmp_path, capsys):
+    fake.state.delay = 0.01  # requests long enough for the processes' workers to overlap
+    out, payloads = tmp_path / "r.json", tmp_path / "p.jsonl"
+    rc = main([
+        "run", "--url", fake.url, "--concurrency", "3", "--requests", "6", "--processes", "2",
+        "--input-len", "4", "--output-len", "5", "--out", str(out), "--save-records",
+        "--save-payloads", str(payloads),
+    ])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    result = RunResult.load(out)
+    assert result.records and all(r.ok for r in result.records)
+    assert sorted({r.worker for r in result.records}) == [0, 1, 2]  # 2 + 1 workers
+    assert fake.state.peak == 3
+    level = result.levels[0]
+    assert level.selfcheck["processes"] == 2
+    assert level.concurrency_max == 3
+    bodies = [orjson.loads(x)["index"] for x in payloads.read_bytes().splitlines()]
+    assert len(bodies) == len(result.records) and len(set(bodies)) == len(bodies)

@@ -128,7 +128,7 @@ def test_sharegpt_json_and_jsonl(tmp_path):
     w = Workload(WorkloadConfig(dataset=prompts, output_len_given=False))
     bodies = [orjson.loads(w.spec(i).body) for i in range(3)]
     assert all("ignore_eos" not in b for b in bodies)
-    assert sorted(b["max_tokens"] for b in bodies) == [12, 256, 256]
+    assert sorted(b["max_tokens"] for b in bodies) == [12, 512, 512]
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"prompt": "x"}\nnot json\n')
     with pytest.raises(ValueError, match="line 2"):
