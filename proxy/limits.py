@@ -69,7 +69,7 @@ class LimitSettings(BaseModel):
         60.0, ge=0, description="after a back-off, climbs stay below the congested level this long"
     )
     queue_tolerance: float = Field(
-        0.0, ge=0, description="scraped num_queue_reqs above this = the backend is queueing"
+        1.0, ge=0, description="scraped num_queue_reqs above this = the backend is queueing"
     )
 
 
@@ -156,7 +156,10 @@ class Measure:
         # Each decoding request makes one token per ITL: in flight / median ITL is the token
         # rate without the noise of prefill stalls and of requests finishing (PP windows vary
         # by +-35% in tokens/s, their median ITL by a few %).
-        rate = total / itl if itl else tps
+        # Requests SGLang reports as queued (scraped) are in flight but do not decode.
+        queues = [w.queue_reqs for w in windows if w.queue_reqs is not None]
+        decoding = max(total - (statistics.fmean(queues) if queues else 0.0), 1e-9)
+        rate = decoding / itl if itl else tps
         ttfts = [(w.ttft, w.ttft_count) for w in windows if w.ttft is not None]
         n_ttft = sum(n for _, n in ttfts)
         # A handful of TTFT samples says more about prompt lengths than about congestion.
@@ -455,8 +458,14 @@ class AdaptiveLimit:
             return f"KV usage {w.token_usage:.2f}"
         if w.queue_reqs is not None and w.queue_reqs > self.s.queue_tolerance:
             ref = self._baseline or self._ref
-            # The gauge confirms what the proxy's own timing says (it lags by up to 40 steps).
-            if ref is None or ref.ttft is None or _rose(w.ttft, ref.ttft, self.s.latency_tolerance):
+            # The gauge confirms what the proxy's own timing says (it lags by up to 40 steps):
+            # a queue of a tenth of the limit is congestion by itself; a smaller one only if the
+            # proxy's TTFT rose too (a backend at exactly its running cap shows a request or
+            # two queued between a finish and the next admission).
+            big = w.queue_reqs >= max(2.0, 0.1 * self._limit)
+            ttft_known = ref is not None and ref.ttft is not None and w.ttft_count >= 3
+            rose = ttft_known and _rose(w.ttft, ref.ttft, self.s.latency_tolerance)
+            if big or rose:
                 return f"backend queueing {w.queue_reqs:g}"
         if w.errors >= 2 and w.errors * 2 > w.completions:
             return f"{w.errors} errors"
@@ -477,7 +486,6 @@ class AdaptiveLimit:
         self._held = 0
         self._probe_up_next = True
         self._step = self.s.step
-        self._last_elasticity = 0.0
         self._set(new, now, f"{why}: back off")
 
     # ---- helpers -----------------------------------------------------------------------
