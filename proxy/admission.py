@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections import deque
@@ -32,6 +33,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger("proxy.admission")
 
 Priority = Literal["interactive", "batch"]
 PRIORITIES: tuple[Priority, ...] = ("interactive", "batch")
@@ -420,7 +423,10 @@ class Admission:
             if s is not None and st.window_tokens() < s.window_tokens and age < s.max_window_s:
                 continue
             before = b.limit.limit
-            b.limit.update(st.take_window(now))
+            try:
+                b.limit.update(st.take_window(now))
+            except Exception:  # a limit's bug must not fail requests: keep the old limit
+                log.exception("limit update failed for backend %s", b.name)
             after = b.limit.limit
             if after != before:
                 st.observe_in_flight(b.in_flight, after, now)
