@@ -258,7 +258,12 @@ class AdaptiveLimit:
             # before, so neither its gauges nor our timings say anything new yet.
             self._windows.clear()
             return
-        congestion = self._congestion(window)
+        # After a raise the new requests wait for their prefill inside the backend, so its
+        # queue says nothing about congestion while climbing or probing up (there, the step's
+        # measurement decides, with SGLang's queued requests taken out of the decode rate) nor
+        # within one TTFT of a change.
+        holding = self._phase in ("hold", "probe_down")
+        congestion = self._congestion(window, queue=holding and window.start >= self._settle_until)
         if congestion and self._settle == 0:
             excess = window.queue_reqs if congestion.startswith("backend queueing") else None
             self._back_off(window.end, congestion, excess)
@@ -341,7 +346,7 @@ class AdaptiveLimit:
             # climb on with the base step.
             self._step = self.s.step
             self._doubling = False
-            self._climb_from(ref, f"{ref.level}->{m.level} gained {gain:+.1%}: refine")
+            self._climb_from(ref, f"{ref.level}->{m.level} gained {gain:+.1%}: refine", m.at)
             return
         if elasticity >= self.s.min_gain:
             self._ref = m
@@ -359,7 +364,7 @@ class AdaptiveLimit:
             m.ttft, ref.ttft, self.s.latency_tolerance
         )
         why = f"{ref.level}->{m.level} gained {gain:+.1%}{' with latency up' if rose else ''}"
-        self._hold_at(ref, f"{why}: knee {ref.level}")
+        self._hold_at(ref, f"{why}: knee {ref.level}", now=m.at)
 
     def _on_down(self, m: Measure) -> None:
         ref = self._ref
@@ -427,15 +432,16 @@ class AdaptiveLimit:
                 self._phase = "probe_down"
                 self._set(nxt, m.at, "probe down")
 
-    def _climb_from(self, m: Measure, why: str) -> None:
-        nxt = self._capped(self._up(m.level, self._step), m.at)
+    def _climb_from(self, m: Measure, why: str, now: float | None = None) -> None:
+        now = m.at if now is None else now
+        nxt = self._capped(self._up(m.level, self._step), now)
         if nxt <= m.level:
-            self._hold_at(m, f"{why}; no room above")
+            self._hold_at(m, f"{why}; no room above", now=now)
             return
         self._phase = "climb"
-        self._set(nxt, m.at, why)
+        self._set(nxt, now, why)
 
-    def _hold_at(self, m: Measure, why: str, *, log: bool = True) -> None:
+    def _hold_at(self, m: Measure, why: str, *, log: bool = True, now: float | None = None) -> None:
         self._knee = m.level
         self._baseline = (
             m if self._baseline is None or self._baseline.level != m.level else (self._baseline)
@@ -447,16 +453,16 @@ class AdaptiveLimit:
         self._step = self.s.step
         self._doubling = False
         if log:
-            self._set(m.level, m.at, why)
+            self._set(m.level, m.at if now is None else now, why)
 
     # ---- congestion --------------------------------------------------------------------
 
-    def _congestion(self, w: Window) -> str | None:
+    def _congestion(self, w: Window, *, queue: bool = True) -> str | None:
         if w.stale:
             return "scraped metrics stale"
         if w.token_usage is not None and w.token_usage >= self.s.kv_high:
             return f"KV usage {w.token_usage:.2f}"
-        if w.queue_reqs is not None and w.queue_reqs > self.s.queue_tolerance:
+        if queue and w.queue_reqs is not None and w.queue_reqs > self.s.queue_tolerance:
             ref = self._baseline or self._ref
             # The gauge confirms what the proxy's own timing says (it lags by up to 40 steps):
             # a queue of a tenth of the limit is congestion by itself; a smaller one only if the

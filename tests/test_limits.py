@@ -91,14 +91,25 @@ def test_readapts_when_the_backend_becomes_slower():
     assert 0.75 * before <= lim.limit <= 1.3 * before + 1
 
 
-def test_backs_off_when_the_backend_queues():
+def test_the_climb_stops_at_the_backends_running_cap():
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40, seed=11)
     history = drive(lim, model, 120)
-    # SGLang's queue gauge (with TTFT rising) stops the climb at its running cap.
-    assert max(history) <= 80
+    # Past the cap SGLang queues the extra requests: they do not count toward the decode rate,
+    # so the step does not pay and is undone.
+    assert max(history) <= 60
     assert 32 <= sum(history[-40:]) / 40 <= 44
+
+
+def test_backs_off_when_the_backend_starts_queueing_at_the_knee():
+    lim = adaptive(floor=1)
+    drive(lim, KneeModel(knee=32, seed=19), 80)
+    held = lim.limit
+    # Another client fills the backend: SGLang queues 12 of ours, TTFT rises.
+    model = KneeModel(knee=32, seed=20, queue_past=held - 12, ttft0=0.5)
+    drive(lim, model, 10, t0=80)
     assert any("queueing" in why for _, _, why in lim.history)
+    assert lim.limit <= held - 10
 
 
 def test_backs_off_on_a_full_kv_pool():
