@@ -1,0 +1,207 @@
+"""Heterogeneous backends: pp8 + tp8 + ep8 simulators behind each routing policy, C = 4, 32, 128.
+
+    /work/venv/bin/python benchmarks/heterogeneous.py            # ~4 min on 2 cores
+    /work/venv/bin/python benchmarks/heterogeneous.py --quick    # smoke run, ~1.5 min
+
+For each front end in turn — the proxy with policy `latency`, `round_robin`, `least_in_flight`
+(adaptive limits, the pp backend hinted `pp_size = 8`), and sglang-router 0.3.2 with
+`power_of_two` — a fresh `loadtest sim` process serving pp8, tp8 and ep8, the front end, and one
+`loadtest run --concurrency 4,32,128` (closed loop; the levels run in that order against the same
+front end, so the proxy's limits carry over from one level to the next, as in production).
+Printed: aggregate output tok/s and E2E p99 per policy and C, and the margins of `latency` over
+each other policy (tok/s: latency / other - 1; E2E p99: other / latency - 1; positive = latency
+better). Times are modelled seconds (the simulator runs at --time-scale; loadtest reports in
+modelled time). Results: benchmarks/results/heterogeneous.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import urllib.request
+from typing import Any
+
+from harness import (
+    Harness,
+    Poller,
+    backend_entries,
+    backends_by_name,
+    get_json,
+    level_row,
+    load_cpu,
+    proxy_toml,
+    write_results,
+)
+
+PROFILES = ["pp8", "tp8", "ep8"]
+FRONTS = ["latency", "round_robin", "least_in_flight", "router:power_of_two"]
+
+
+def _get_text(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.read().decode()
+    except OSError:
+        return ""
+
+
+def sim_served(urls: list[str]) -> dict[str, float]:
+    """Requests each simulator served (its own counter): who got the traffic."""
+    out = {}
+    for prof, url in zip(PROFILES, urls, strict=True):
+        text = _get_text(f"{url}/metrics")
+        out[prof] = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("sglang:num_requests_total")
+        )
+    return out
+
+
+def run_front(front: str, args: argparse.Namespace) -> dict[str, Any]:
+    ts = args.time_scale
+    router = front.startswith("router:")
+    with Harness(f"heterogeneous-{front.replace(':', '-')}", time_scale=ts) as h:
+        sim = h.sim(PROFILES)
+        if router:
+            fe = h.router(sim.urls, front.split(":", 1)[1])
+        else:
+            cfg = proxy_toml(backend_entries(sim.urls, PROFILES), policy=front, time_scale=ts)
+            fe = h.proxy(cfg)
+        levels = ",".join(str(c) for c in args.concurrency)
+        cmd = ["--concurrency", levels, "--warmup", str(args.warmup)]
+        cmd += ["--duration", str(args.duration), "--drain-timeout", "0"]
+        cmd += ["--input-len", "1024", "--output-len", args.output_len, "--seed", "7"]
+        t0 = time.monotonic()
+        poll = Poller(backends_by_name(fe.url) if not router else (lambda: None), interval=1.0)
+        with poll:
+            result = h.loadtest(fe.url, cmd, name=f"loadtest-{front}")
+        wall = time.monotonic() - t0
+        served = sim_served(sim.urls)
+        final: dict[str, Any] = {n: {"served": int(c)} for n, c in served.items()}
+        queue = None
+        if poll.samples:
+            for n, b in poll.samples[-1][1].items():
+                final[n].update(limit=b["limit"], knee=(b.get("limit_state") or {}).get("knee"))
+            queue = get_json(f"{fe.url}/admin/queue")
+    rows = [
+        {"front": front, "concurrency": lv["concurrency"], **level_row(lv)}
+        for lv in result["levels"]
+    ]
+    return {"front": front, "rows": rows, "final_backends": final, "queue": queue, "wall_s": wall}
+
+
+def margins(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {(r["front"], r["concurrency"]): r for run in runs for r in run["rows"]}
+    out = []
+    for c in sorted({k[1] for k in by}):
+        lat = by.get(("latency", c))
+        if lat is None:
+            continue
+        for front in FRONTS[1:]:
+            o = by.get((front, c))
+            if o is None:
+                continue
+            tok = lat["output_tok_s"] / o["output_tok_s"] - 1 if o["output_tok_s"] else None
+            e2e = o["e2e_p99"] / lat["e2e_p99"] - 1 if lat["e2e_p99"] and o["e2e_p99"] else None
+            beats = bool(tok is not None and e2e is not None and tok > 0 and e2e > 0)
+            out.append({"concurrency": c, "vs": front, "tok_s_margin": tok,
+                        "e2e_p99_margin": e2e, "beats": beats})  # fmt: skip
+    return out
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-scale", type=float, default=0.25)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[4, 32, 128])  # fmt: skip
+    ap.add_argument("--warmup", type=float, default=20.0, help="modelled s before each window")
+    ap.add_argument("--duration", type=float, default=40.0, help="modelled s measured per level")
+    ap.add_argument("--output-len", default="uniform:64-256")
+    ap.add_argument("--fronts", default=",".join(FRONTS))
+    ap.add_argument("--quick", action="store_true", help="short smoke run")
+    ap.add_argument("--no-save", action="store_true", help="print only")
+    args = ap.parse_args()
+    if args.quick:
+        args.warmup, args.duration = 8.0, 12.0
+    t0 = time.monotonic()
+    runs = []
+    try:
+        for front in args.fronts.split(","):
+            print(f"-- {front} ...", flush=True)
+            runs.append(run_front(front, args))
+    except KeyboardInterrupt:
+        print("interrupted; children stopped")
+        return 130
+    ms = margins(runs)
+    lines = [
+        "## heterogeneous: pp8 + tp8 + ep8 simulators, closed-loop clients at "
+        + ", ".join(f"C={c}" for c in args.concurrency),
+        "",
+        f"Simulator time scale {args.time_scale} (all times modelled seconds); per level warmup "
+        f"{args.warmup:g} s, window {args.duration:g} s; 1024-token prompts, output "
+        f"{args.output_len} tokens (ignore_eos). Proxy: adaptive limits (pp8 hinted pp_size 8); "
+        "sglang-router 0.3.2 `power_of_two`. Each front end gets fresh simulators; the C levels "
+        f"run in order against it. Wall time {time.monotonic() - t0:.0f} s, {load_cpu()}.",
+        "",
+        "| C | front end | output tok/s | E2E p50 s | E2E p99 s | TTFT p99 s | completed "
+        "| failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in args.concurrency:
+        for run in runs:
+            for r in run["rows"]:
+                if r["concurrency"] != c:
+                    continue
+                lines.append(
+                    f"| {c} | {r['front']} | {r['output_tok_s']:.0f} | {r['e2e_p50'] or 0:.1f} | "
+                    f"{r['e2e_p99'] or 0:.1f} | {r['ttft_p99'] or 0:.2f} | {r['completed']} | "
+                    f"{r['failed']} |"
+                )
+    lines += [
+        "",
+        "Margins of `latency` (tok/s: latency/other - 1; E2E p99: other/latency - 1; "
+        "positive = latency better):",
+        "",
+        "| C | vs | tok/s margin | E2E p99 margin | latency better on both |",
+        "|---|---|---|---|---|",
+    ]
+    for m in ms:
+        lines.append(
+            f"| {m['concurrency']} | {m['vs']} | {pct(m['tok_s_margin'])} | "
+            f"{pct(m['e2e_p99_margin'])} | {'yes' if m['beats'] else 'NO'} |"
+        )
+    met = bool(ms) and all(m["beats"] for m in ms)
+    lines += [
+        "",
+        "Target (latency beats every other policy on both, at every C): "
+        f"**{'met' if met else 'NOT met'}**.",
+        "",
+        "Per backend at the end of each run (requests the simulator served over all levels; "
+        "the proxy's final limit and knee):",
+        "",
+    ]
+    for run in runs:
+        fb = ", ".join(
+            f"{n}: " + " ".join(f"{k}={v}" for k, v in d.items())
+            for n, d in run["final_backends"].items()
+        )
+        lines.append(f"- {run['front']}: {fb}")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_save:
+        write_results(
+            "heterogeneous" + ("-quick" if args.quick else ""),
+            text,
+            {"time_scale": args.time_scale, "warmup": args.warmup, "duration": args.duration,
+             "output_len": args.output_len, "runs": runs, "margins": ms, "target_met": met},
+        )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
