@@ -1,0 +1,189 @@
+"""Two proxy replicas in front of the same backends vs one proxy: in flight per backend.
+
+    /work/venv/bin/python benchmarks/replicas.py            # ~1 min on 2 cores
+    /work/venv/bin/python benchmarks/replicas.py --quick
+
+Phase 1: pp8 + tp8 simulators (one process), one proxy (adaptive limits), --clients closed-loop
+clients (more than the backends' knees together, so the limits decide). Phase 2: fresh
+simulators, two proxies configured identically, each getting half the clients (two `loadtest
+run` processes started together). /admin/backends of every proxy is sampled every 0.5 modelled
+s; the combined in-flight per backend (sum over the proxies) is averaged over the steady-state
+window and compared with what the one proxy held; SGLang's own count (/get_load: running +
+waiting) is shown beside it. Target: within 20% per backend. Times are modelled seconds.
+Results: benchmarks/results/replicas.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from harness import (
+    Harness,
+    Poller,
+    backend_entries,
+    get_json,
+    level_row,
+    load_cpu,
+    proxy_toml,
+    write_results,
+)
+
+PROFILES = ["pp8", "tp8"]
+
+
+def run_phase(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
+    ts = args.time_scale
+    with Harness(f"replicas-{replicas}", time_scale=ts) as h:
+        sim = h.sim(PROFILES)
+        cfg = lambda: proxy_toml(backend_entries(sim.urls, PROFILES), time_scale=ts)  # noqa: E731
+        proxies = [h.proxy(cfg(), name=f"proxy{i}") for i in range(replicas)]
+
+        def sample() -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for i, px in enumerate(proxies):
+                d = get_json(f"{px.url}/admin/backends", timeout=1.0)
+                for b in (d or {}).get("backends", []):
+                    e = out.setdefault(b["name"], {"in_flight": 0, "limits": [], "ext": []})
+                    e["in_flight"] += b["in_flight"]
+                    e["limits"].append(b["limit"])
+                    e["ext"].append((b.get("limit_state") or {}).get("external_in_flight"))
+                    e[f"p{i}"] = b["in_flight"]
+            for prof, url in zip(PROFILES, sim.urls, strict=True):
+                load = get_json(f"{url}/get_load", timeout=1.0)
+                if isinstance(load, list) and prof in out:
+                    out[prof]["sglang_reqs"] = sum(x["num_reqs"] for x in load)
+            return out
+
+        per = args.clients // replicas
+        cmd = ["--concurrency", str(per), "--warmup", str(args.warmup), "--duration",
+               str(args.duration), "--drain-timeout", "0", "--input-len", "1024",
+               "--output-len", args.output_len]  # fmt: skip
+        with Poller(sample, interval=0.5 * ts) as poll:
+            lts = [
+                h.start_loadtest(px.url, [*cmd, "--seed", str(20 + i)], name=f"loadtest{i}")
+                for i, px in enumerate(proxies)
+            ]
+            results = [h.finish_loadtest(lt) for lt in lts]
+    w0 = max(r["levels"][0]["window"][0] for r in results)
+    w1 = min(r["levels"][0]["window"][1] for r in results)
+    inside = [s for t, s in poll.samples if w0 <= t + poll.t0 <= w1]
+    backends = {}
+    for prof in PROFILES:
+        ss = [s[prof] for s in inside if prof in s]
+        backends[prof] = {
+            "in_flight_mean": statistics.fmean(x["in_flight"] for x in ss),
+            "in_flight_p10_p90": _p10_p90([x["in_flight"] for x in ss]),
+            "sglang_reqs_mean": statistics.fmean(x.get("sglang_reqs", 0) for x in ss),
+            "limits_last": ss[-1]["limits"],
+            "per_proxy_mean": [
+                statistics.fmean(x.get(f"p{i}", 0) for x in ss) for i in range(replicas)
+            ],
+            "external_last": ss[-1]["ext"],
+        }
+    series = [
+        (round(t / ts, 1), {p: s[p]["in_flight"] for p in PROFILES if p in s})
+        for t, s in poll.samples
+    ]
+    return {
+        "replicas": replicas,
+        "levels": [level_row(r["levels"][0]) for r in results],
+        "output_tok_s": sum(r["levels"][0]["output_tok_s"] for r in results),
+        "backends": backends,
+        "series": series,
+        "samples": len(inside),
+    }
+
+
+def _p10_p90(xs: list[float]) -> list[float]:
+    s = sorted(xs)
+    return [s[int(0.1 * (len(s) - 1))], s[int(0.9 * (len(s) - 1))]] if s else []
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-scale", type=float, default=0.25)
+    ap.add_argument("--clients", type=int, default=192)
+    ap.add_argument("--warmup", type=float, default=30.0, help="modelled s")
+    ap.add_argument("--duration", type=float, default=40.0, help="modelled s")
+    ap.add_argument("--output-len", default="uniform:64-256")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.warmup, args.duration = 15.0, 15.0
+    t0 = time.monotonic()
+    try:
+        one = run_phase(args, 1)
+        two = run_phase(args, 2)
+    except KeyboardInterrupt:
+        print("interrupted; children stopped")
+        return 130
+    lines = [
+        f"## replicas: one proxy vs two replicas in front of pp8 + tp8, {args.clients} clients",
+        "",
+        f"Time scale {args.time_scale} (modelled seconds); warmup {args.warmup:g} s, window "
+        f"{args.duration:g} s; 1024-token prompts, output {args.output_len}; adaptive limits; two "
+        f"replicas get {args.clients // 2} closed-loop clients each. Wall "
+        f"{time.monotonic() - t0:.0f} s, {load_cpu()}.",
+        "",
+        "| backend | one proxy: in flight mean (p10-p90) | two replicas: combined in flight mean "
+        "(p10-p90) | per replica | ratio two/one | SGLang's reqs one / two | final limits one "
+        "/ two |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ok = True
+    ratios = {}
+    for prof in PROFILES:
+        a, b = one["backends"][prof], two["backends"][prof]
+        ratio = b["in_flight_mean"] / a["in_flight_mean"] if a["in_flight_mean"] else float("nan")
+        ratios[prof] = ratio
+        ok = ok and abs(ratio - 1) <= 0.2
+        lines.append(
+            f"| {prof} | {a['in_flight_mean']:.1f} ({a['in_flight_p10_p90']}) | "
+            f"{b['in_flight_mean']:.1f} ({b['in_flight_p10_p90']}) | "
+            f"{' + '.join(f'{x:.1f}' for x in b['per_proxy_mean'])} | **{ratio:.2f}** | "
+            f"{a['sglang_reqs_mean']:.1f} / {b['sglang_reqs_mean']:.1f} | "
+            f"{a['limits_last']} / {b['limits_last']} |"
+        )
+    lines += [
+        "",
+        f"Output tok/s: one proxy {one['output_tok_s']:.0f}, two replicas "
+        f"{two['output_tok_s']:.0f} (ratio {two['output_tok_s'] / one['output_tok_s']:.2f}).",
+        f"Target (combined in flight within 20% of one proxy's, every backend): "
+        f"**{'met' if ok else 'NOT met'}**.",
+        "",
+        "Combined in flight over time (modelled s from the start, every ~5 s):",
+        "",
+        "```",
+        "     t  one proxy             two replicas",
+    ]
+    def buckets(series: list) -> dict[int, str]:
+        out: dict[int, list] = {}
+        for t, d in series:
+            out.setdefault(int(t // 5) * 5, []).append(d)
+        return {
+            k: " ".join(f"{p}={statistics.fmean(x.get(p, 0) for x in v):.0f}" for p in PROFILES)
+            for k, v in out.items()
+        }
+
+    b1, b2 = buckets(one["series"]), buckets(two["series"])
+    for t in sorted(set(b1) | set(b2)):
+        lines.append(f"{t:6d}  {b1.get(t, ''):20}  {b2.get(t, '')}")
+    lines.append("```")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_save:
+        write_results(
+            "replicas" + ("-quick" if args.quick else ""),
+            text,
+            {"time_scale": args.time_scale, "args": vars(args), "one": one, "two": two,
+             "ratios": ratios, "target_met": ok},
+        )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
