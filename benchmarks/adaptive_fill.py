@@ -1,6 +1,6 @@
 """Filling the pipeline: a pp8 simulator behind the proxy, closed-loop clients, adaptive vs fixed.
 
-    /work/venv/bin/python benchmarks/adaptive_fill.py                 # ~10 min on 2 cores
+    /work/venv/bin/python benchmarks/adaptive_fill.py                 # ~11 min on 2 cores
     /work/venv/bin/python benchmarks/adaptive_fill.py --fixed 32,64 --duration 60
 
 For the adaptive limit and each fixed limit of a sweep, in turn: a fresh `loadtest sim --profile
@@ -204,9 +204,10 @@ def main() -> int:
     ap.add_argument(
         "--warmup",
         type=float,
-        default=90.0,
+        default=120.0,
         help="modelled seconds before the window: long enough that the requests which waited in "
-        "the proxy's queue while the adaptive limit climbed (first ~25 s) have finished",
+        "the proxy's queue while the adaptive limit climbed (first ~25 s) have finished (up to "
+        "~100 s later with 768-token answers)",
     )
     ap.add_argument("--fixed", default="16,32,48,64,96", help="fixed limits to sweep")
     ap.add_argument("--out", type=Path, default=RESULTS / "adaptive_fill")
