@@ -77,9 +77,10 @@ def wait_port(port: int, proc: subprocess.Popen, limit: float = 20.0) -> None:
 
 def run_level(url: str, c: int, args: argparse.Namespace, processes: int, sim_pid: int) -> dict:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
-    output_len = int((args.warmup + args.duration + 5) * 1000 / args.step_ms)
+    # requests of ~request_s each: enough turnover to measure the dispatch delay
+    output_len = max(int(args.request_s * 1000 / args.step_ms), 2)
     cmd = [*LOADTEST, "run", "--url", url, "-c", str(c), "--warmup", str(args.warmup),
-           "--duration", str(args.duration), "--drain-timeout", "0", "--input-len", "8",
+           "--duration", str(args.duration), "--drain-timeout", "1", "--input-len", "8",
            "--output-len", str(output_len), "--processes", str(processes), "--quiet",
            "--out", str(out), "--save-records"]  # fmt: skip
     sim0 = cpu_seconds(sim_pid)
@@ -107,6 +108,7 @@ def run_level(url: str, c: int, args: argparse.Namespace, processes: int, sim_pi
         "client_cpu": check.get("client_cpu") or 0.0,
         "sim_cpu": sim_cpu,
         "errors": sum((level.get("errors") or {}).values()),
+        "client_bound": bool(check.get("client_bound")),
     }
 
 
@@ -115,6 +117,7 @@ def main() -> None:
     ap.add_argument("--levels", default="100,250,500,1000,1500")
     ap.add_argument("--step-ms", type=float, default=20.0, help="modelled step time (ms)")
     ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--request-s", type=float, default=2.0, help="length of one request (s)")
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--processes", type=int, default=1, help="also run the top level with N")
     args = ap.parse_args()
@@ -147,8 +150,9 @@ def main() -> None:
     per_stream = 1000 / args.step_ms
     print(f"machine: {os.cpu_count()} CPUs; step {args.step_ms:g} ms => "
           f"{per_stream:g} token events/s per stream; window {args.duration:g} s")  # fmt: skip
-    ok = [r for r in rows if "error" not in r and r["dispatch_p99_ms"] < 1.0
-          and r["events_s"] >= 0.95 * r["target_events_s"]]  # fmt: skip
+    ok = [r for r in rows if "error" not in r and r["dispatch_p99_ms"] < 1.0]
+    print("dispatch p99 < 1 ms at: " + ", ".join(f"C={r['c']}x{r['processes']}" for r in ok))
+    ok = [r for r in ok if r["events_s"] >= 0.95 * r["target_events_s"]]
     if ok:
         best = max(ok, key=lambda r: r["c"])
         print(f"highest sustained: C={best['c']} ({best['processes']} process(es)), "

@@ -474,7 +474,8 @@ class Sweep:
                     reps.append(summary)
                     if not self.options.progress:
                         print(self._one_line(plan, summary, rep), file=sys.stderr)
-                    done = [r for r in records if r.t_end is not None]
+                    # cut at the drain timeout is not a failure of the target
+                    done = [r for r in records if r.t_end is not None and r.error != "cancelled"]
                     if done and all(r.error for r in done) and not res.interrupted:
                         first = next(r for r in done if r.error)
                         outcome.error = (
