@@ -329,7 +329,9 @@ def run(args: argparse.Namespace) -> int:
         duration=args.duration
         if args.duration is not None
         else (None if args.requests is not None else DEFAULT_DURATION),
-        warmup=args.warmup if args.warmup is not None else (0.0 if args.requests else DEFAULT_WARMUP),
+        warmup=(
+            args.warmup if args.warmup is not None else (0.0 if args.requests else DEFAULT_WARMUP)
+        ),
         requests=args.requests,
         drain_timeout=args.drain_timeout,
         repeat=args.repeat,
