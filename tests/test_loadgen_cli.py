@@ -156,3 +156,32 @@ def test_processes_merge_into_one_level(fake, tmp_path, capsys):
     assert level.concurrency_max == 3
     bodies = [orjson.loads(x)["index"] for x in payloads.read_bytes().splitlines()]
     assert len(bodies) == len(result.records) and len(set(bodies)) == len(bodies)
+
+
+def test_ctrl_c_stops_cleanly_and_writes_what_was_measured(fake, tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    fake.state.delay = 0.01
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loadtest.cli", "run", "--url", fake.url, "-c", "2",
+         "--warmup", "0.2", "--duration", "60", "--output-len", "50", "--input-len", "4",
+         "--out", str(out), "--save-records"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while fake.state.requests < 6 and time.monotonic() < deadline:  # preflight + a few
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    result = RunResult.load(out)
+    assert result.levels and result.levels[0].selfcheck["interrupted"]
+    assert result.records
