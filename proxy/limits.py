@@ -171,6 +171,8 @@ class Measure:
 SLACK = 0.8
 #: TTFT samples a measurement needs before its TTFT counts as a signal
 MIN_TTFT_SAMPLES = 5
+#: consecutive windows with stale scraped metrics before (and between) back-offs
+STALE_WINDOWS = 3
 
 
 def _rose(now: float | None, ref: float | None, tol: float) -> bool:
@@ -235,6 +237,7 @@ class AdaptiveLimit:
         self._settle = 0
         self._settle_until = 0.0
         self._drifts = 0
+        self._stale = 0  # consecutive windows with stale scraped metrics
         self._last_elasticity = 0.0  # of the last step kept: linear growth means no probe down
         self._held = 0
         self._probe_up_next = True
@@ -271,6 +274,9 @@ class AdaptiveLimit:
         if self._settle > 0 or window.start < self._settle_until:
             # Requests admitted by the change produce tokens only one TTFT later.
             self._settle = max(0, self._settle - 1)
+            return
+        if window.stale:
+            self._windows.clear()  # saturated as far as we can tell: learn nothing, add nothing
             return
         if not self._demand_bound(window) and self._phase not in ("climb", "probe_up"):
             # Too little demand to learn anything at the knee. (While climbing, a window that
@@ -459,7 +465,13 @@ class AdaptiveLimit:
 
     def _congestion(self, w: Window, *, queue: bool = True) -> str | None:
         if w.stale:
-            return "scraped metrics stale"
+            # Saturated: no climbing (see update); a back-off only once it has lasted
+            # STALE_WINDOWS windows, then every STALE_WINDOWS windows (scrapes can be slow).
+            self._stale += 1
+            if self._stale % STALE_WINDOWS == 0:
+                return "scraped metrics stale"
+            return None
+        self._stale = 0
         if w.token_usage is not None and w.token_usage >= self.s.kv_high:
             return f"KV usage {w.token_usage:.2f}"
         if queue and w.queue_reqs is not None and w.queue_reqs > self.s.queue_tolerance:

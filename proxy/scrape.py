@@ -57,7 +57,10 @@ class ScrapeSettings(BaseModel):
     interval_s: float = Field(1.0, gt=0, description="seconds between scrapes of one backend")
     timeout_s: float = Field(1.0, gt=0, description="one scrape's timeout")
     stale_after_intervals: float = Field(
-        3.0, gt=0, description="a last success older than this many intervals = saturated"
+        3.0,
+        gt=0,
+        description="a last success older than this many intervals (and than interval + 2 x "
+        "timeout) = saturated",
     )
     path: str = Field("/metrics", description="the backend's Prometheus endpoint")
     use_get_load: bool = Field(False, description="queue/running counts from /get_load")
@@ -133,6 +136,13 @@ class Scraper:
         #: called after each backend's scrape (e.g. ``admission.wake`` when limits may move)
         self.on_scrape = on_scrape
 
+    @property
+    def stale_after_s(self) -> float:
+        """A few intervals, but never less than an interval plus two timeouts: a scrape takes
+        wall time however fast the interval (a loaded machine must not read as saturated)."""
+        s = self.s
+        return max(s.interval_s * s.stale_after_intervals, s.interval_s + 2 * s.timeout_s)
+
     def _backends(self) -> list[Any]:
         pool = self.pool
         if hasattr(pool, "all"):
@@ -157,7 +167,7 @@ class Scraper:
         stats = backend.stats
         if backend.name in self.unsupported:
             return False
-        stats.stale_after_s = self.s.interval_s * self.s.stale_after_intervals
+        stats.stale_after_s = self.stale_after_s
         api_key = getattr(backend, "api_key", None)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         base = str(backend.url).rstrip("/")

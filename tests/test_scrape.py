@@ -110,7 +110,7 @@ async def test_scraper_lands_gauges_in_stats():
     try:
         await scraper.scrape_all()
         assert b.stats.scrape.queue_reqs == 5.0 and b.stats.scrape.token_usage == 0.75
-        assert b.stats.stale_after_s == 1.5 and seen == [b]
+        assert b.stats.stale_after_s == 2.5 and seen == [b]  # interval + 2 x timeout
         scraper.s = ScrapeSettings(use_get_load=True)
         assert await scraper.scrape_once(b)
         assert b.stats.scrape.queue_reqs == 4.0 and b.stats.scrape.running_reqs == 5.0
