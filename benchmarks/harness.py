@@ -397,3 +397,18 @@ def load_cpu() -> str:
         return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "load average unknown"
+
+
+def window_wall(result: dict[str, Any], level: int = 0) -> tuple[float, float]:
+    """A level's steady-state window on the wall monotonic clock (the Poller's clock).
+
+    With --time-scale, loadtest reports times as origin + (wall - origin) / scale, origin being
+    the run's start; the first request's scheduled time stands in for it (needs
+    --save-records; exact to the few ms between the start and the first send)."""
+    ts = float(result["metadata"].get("time_scale") or 1.0)
+    w0, w1 = result["levels"][level]["window"]
+    recs = result.get("records") or []
+    if not recs:
+        raise ValueError("window_wall needs the run's records (--save-records)")
+    origin = min(r["t_scheduled"] for r in recs)
+    return origin + (w0 - origin) * ts, origin + (w1 - origin) * ts

@@ -35,6 +35,7 @@ from harness import (
     level_row,
     load_cpu,
     proxy_toml,
+    window_wall,
     write_results,
 )
 
@@ -72,17 +73,23 @@ def proxy_cfg(urls: list[str], args: argparse.Namespace) -> str:
     )
 
 
-def phase_capacity(args: argparse.Namespace) -> dict[str, Any]:
-    with Harness("overload-capacity", time_scale=args.time_scale) as h:
+def phase_capacity(args: argparse.Namespace, via: str) -> dict[str, Any]:
+    """Closed-loop capacity through the proxy (its limits decide) or sglang-router (none)."""
+    with Harness(f"overload-capacity-{via}", time_scale=args.time_scale) as h:
         sim = h.sim(PROFILES)
-        px = h.proxy(proxy_cfg(sim.urls, args))
+        if via == "proxy":
+            fe = h.proxy(proxy_cfg(sim.urls, args))
+        else:
+            fe = h.router(sim.urls, "round_robin")
         cmd = ["--concurrency", str(args.capacity_clients), "--warmup", str(args.warmup),
                "--duration", str(args.duration), *workload(args)]  # fmt: skip
-        with Poller(backends_by_name(px.url), interval=args.time_scale) as poll:
-            res = h.loadtest(px.url, cmd, name="capacity")
+        fetch = backends_by_name(fe.url) if via == "proxy" else (lambda: None)
+        with Poller(fetch, interval=args.time_scale) as poll:
+            res = h.loadtest(fe.url, cmd, name=f"capacity-{via}")
     lv = res["levels"][0]
     limits = {n: b["limit"] for n, b in poll.samples[-1][1].items()} if poll.samples else {}
-    return {"request_throughput": lv["request_throughput"], **level_row(lv), "limits": limits}
+    return {"via": via, "request_throughput": lv["request_throughput"], **level_row(lv),
+            "limits": limits}  # fmt: skip
 
 
 def phase_open(args: argparse.Namespace, rate: float, via: str) -> dict[str, Any]:
@@ -116,9 +123,7 @@ def phase_open(args: argparse.Namespace, rate: float, via: str) -> dict[str, Any
         with Poller(sample, interval=0.5 * ts) as poll:
             res = h.loadtest(fe.url, cmd, name=f"open-{via}")
     lv = res["levels"][0]
-    w0, w1 = lv["window"]
-    # samples inside the window (poll t is relative to its start; the window is on the
-    # monotonic clock of the loadtest records: map through the poller's t0)
+    w0, w1 = window_wall(res)  # samples inside the window (the poller's clock)
     inside = [(t, s) for t, s in poll.samples if w0 <= t + poll.t0 <= w1]
     backends = {}
     for prof in PROFILES:
@@ -165,7 +170,8 @@ def main() -> int:
         args.warmup, args.duration = 10.0, 15.0
     t0 = time.monotonic()
     try:
-        cap = phase_capacity(args)
+        caps = [phase_capacity(args, "proxy"), phase_capacity(args, "router_round_robin")]
+        cap = max(caps, key=lambda c: c["request_throughput"])
         rate = args.overload * cap["request_throughput"]
         print(f"capacity {cap['request_throughput']:.2f} req/s -> offering {rate:.2f} req/s")
         px = phase_open(args, rate, "proxy")
@@ -175,11 +181,11 @@ def main() -> int:
         return 130
 
     def fmt(r: dict[str, Any]) -> str:
-        shed = {k: v for k, v in r["statuses"].items() if k != "ok"}
+        shed = {k: v for k, v in r["statuses"].items() if k not in ("ok", "cancelled")}
         return (
             f"| {r['via']} | {r['request_throughput']:.2f} | {r['output_tok_s']:.0f} | "
             f"{r['ttft_p50'] or 0:.2f} | {r['ttft_p99'] or 0:.2f} | {r['e2e_p99'] or 0:.1f} | "
-            f"{r['statuses'].get('ok', 0)} | {shed or '-'} |"
+            f"{r['statuses'].get('ok', 0)} | {shed or '-'} | {r['statuses'].get('cancelled', 0)} |"
         )
 
     lines = [
@@ -187,16 +193,20 @@ def main() -> int:
         "",
         f"Time scale {args.time_scale} (modelled seconds); 1024-token prompts, output "
         f"{args.output_len}; warmup {args.warmup:g} s, window {args.duration:g} s per phase. "
-        f"Capacity measured first in the same run: {args.capacity_clients} closed-loop clients "
-        f"through the proxy -> **{cap['request_throughput']:.2f} req/s** "
-        f"({cap['output_tok_s']:.0f} tok/s, limits {cap['limits']}). Offered: Poisson "
+        f"Capacity measured first in the same run, {args.capacity_clients} closed-loop clients: "
+        + "; ".join(
+            f"via {c['via']} {c['request_throughput']:.2f} req/s ({c['output_tok_s']:.0f} tok/s"
+            + (f", limits {c['limits']})" if c["limits"] else ")")
+            for c in caps
+        )
+        + f"; capacity = the larger, **{cap['request_throughput']:.2f} req/s**. Offered: Poisson "
         f"**{rate:.2f} req/s**. Proxy queue: max {args.queue_length}, deadline "
         f"{args.deadline:g} s. 'direct' = the same arrivals through sglang-router round_robin "
         f"(no admission control). Wall {time.monotonic() - t0:.0f} s, {load_cpu()}.",
         "",
         "| via | served req/s | tok/s | TTFT p50 s | TTFT p99 s | E2E p99 s | ok (sent in window) "
-        "| shed / failed (status: count) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shed / failed (status: count) | in flight at window end (cancelled) |",
+        "|---|---|---|---|---|---|---|---|---|",
         fmt(px),
         fmt(direct),
         "",
@@ -232,8 +242,8 @@ def main() -> int:
         write_results(
             "overload" + ("-quick" if args.quick else ""),
             text,
-            {"time_scale": args.time_scale, "capacity": cap, "rate": rate, "proxy": px,
-             "direct": direct, "args": vars(args)},
+            {"time_scale": args.time_scale, "capacity": cap, "capacities": caps, "rate": rate,
+             "proxy": px, "direct": direct, "args": vars(args)},
         )  # fmt: skip
     return 0
 
