@@ -129,7 +129,11 @@ async def run_level(
     records: list[RequestRecord] = []
     delays: list[float] = []
     lag = LoopLagMonitor()
-    await warm_connections(session, target, min(plan.concurrency or plan.max_in_flight, 1024))
+    # closed loop: one connection per worker; open loop: a few (idle ones time out after 4 s,
+    # and closing a thousand at once would stall the loop mid-level)
+    await warm_connections(
+        session, target, plan.concurrency if not plan.open_loop else min(plan.max_in_flight, 16)
+    )
     gc.collect()
     gc.freeze()
     gc.disable()
