@@ -18,7 +18,7 @@ and "mid-stream" (bytes had reached the client; by design never retried). From t
 per event: when the victim held nothing any more, when the survivors plus the proxy's queue
 held all the clients, when the survivors' token rate was back, and after the backend came back
 when it was healthy again and its limit back at its pre-fault level. The proxy's timeouts are
-scaled with the time scale (first byte and idle 1.5 modelled s). Times are modelled seconds.
+scaled with the time scale (first byte 1.5, idle 1.0 modelled s). Times are modelled seconds.
 Results: benchmarks/results/faults.{md,json}.
 """
 
@@ -59,7 +59,7 @@ def main() -> int:
             cfg = proxy_toml(
                 backends,
                 time_scale=ts,
-                timeouts={"first_byte_s": 1.5 * ts, "idle_s": 1.5 * ts, "connect_s": 1.0 * ts},
+                timeouts={"first_byte_s": 1.5 * ts, "idle_s": 1.0 * ts, "connect_s": 1.0 * ts},
                 health={"unhealthy_threshold": 2, "healthy_threshold": 2},
             )
             px = h.proxy(cfg)
@@ -82,6 +82,7 @@ def main() -> int:
                    "--input-len", "1024", "--output-len", args.output_len,
                    "--seed", "5"]  # fmt: skip
             events: dict[str, float] = {}
+            victims: dict[str, str] = {}
             lt = h.start_loadtest(px.url, cmd, name="loadtest")
             t0 = time.monotonic()
             with Poller(sample, interval=args.poll, t0=t0) as poll:
@@ -92,15 +93,23 @@ def main() -> int:
                         time.sleep(delay)
                     events[name] = (time.monotonic() - t0) / ts
 
+                def busiest(exclude: str | None = None) -> str:
+                    """The backend with the most requests in flight now: the victim."""
+                    s = sample() or {}
+                    names = [n for n in NAMES if n != exclude and n in s]
+                    return max(names, key=lambda n: s[n]["in_flight"])
+
                 at("kill")
-                os.kill(sims["tp8-a"].proc.pid, signal.SIGKILL)
+                killed = victims["kill"] = busiest()
+                os.kill(sims[killed].proc.pid, signal.SIGKILL)
                 at("restart")
-                sims["tp8-a"] = h.restart(sims["tp8-a"])
+                sims[killed] = h.restart(sims[killed])
                 events["restarted"] = (time.monotonic() - t0) / ts
                 at("stall")
-                os.kill(sims["tp8-b"].proc.pid, signal.SIGSTOP)
+                stalled = victims["stall"] = busiest(exclude=killed)
+                os.kill(sims[stalled].proc.pid, signal.SIGSTOP)
                 at("resume")
-                os.kill(sims["tp8-b"].proc.pid, signal.SIGCONT)
+                os.kill(sims[stalled].proc.pid, signal.SIGCONT)
                 result = h.finish_loadtest(lt, timeout=sched["end"] * ts + 120)
     except KeyboardInterrupt:
         print("interrupted; children stopped")
@@ -184,8 +193,8 @@ def main() -> int:
         return d
 
     report = {
-        "kill": event_report(events["kill"], "tp8-a", events["restarted"]),
-        "stall": event_report(events["stall"], "tp8-b", events["resume"]),
+        "kill": event_report(events["kill"], victims["kill"], events["restarted"]),
+        "stall": event_report(events["stall"], victims["stall"], events["resume"]),
     }
 
     def s_(x: float | None) -> str:
@@ -196,10 +205,12 @@ def main() -> int:
         "",
         f"Time scale {ts} (modelled seconds from the start of the load); {args.clients} "
         f"closed-loop clients, 1024-token prompts, output {args.output_len}; proxy policy "
-        "latency, adaptive limits, first-byte and idle timeouts 1.5 s, health every 1 s. "
+        "latency, adaptive limits, first-byte timeout 1.5 s, idle 1.0 s, health every 1 s. "
         f"Proxy state sampled every {args.poll / ts:.1f} s. Wall {wall:.0f} s, {load_cpu()}.",
-        f"Schedule: SIGKILL tp8-a at {events['kill']:.1f}, restarted (ready) at "
-        f"{events['restarted']:.1f}; SIGSTOP tp8-b at {events['stall']:.1f}, SIGCONT at "
+        f"Schedule (victim = the backend with the most in flight at that moment): SIGKILL "
+        f"{victims['kill']} at {events['kill']:.1f}, restarted (ready) at "
+        f"{events['restarted']:.1f}; SIGSTOP {victims['stall']} at {events['stall']:.1f}, "
+        "SIGCONT at "
         f"{events['resume']:.1f}; end {sched['end']:g}.",
         "",
         f"Requests: {ok} completed; failed **before any token: {sum(lost_before.values())}** "
@@ -213,7 +224,8 @@ def main() -> int:
     ]
     for ev, d in report.items():
         lines.append(
-            f"| {ev} | {d['pre_victim_in_flight']:.1f} / {d['pre_victim_limit']:.1f} | "
+            f"| {ev} {victims[ev]} | {d['pre_victim_in_flight']:.1f} / "
+            f"{d['pre_victim_limit']:.1f} | "
             f"{s_(d['victim_empty_after_s'])} | {s_(d['clients_held_elsewhere_after_s'])} | "
             f"{s_(d['survivors_tok_s_back_after_s'])} | {s_(d['healthy_after_s'])} | "
             f"{s_(d['serving_after_s'])} | {s_(d['limit_recovered_after_s'])} | "
@@ -260,7 +272,7 @@ def main() -> int:
             "faults" + ("-quick" if args.quick else ""),
             text,
             {"time_scale": ts, "clients": args.clients, "schedule": sched, "events": events,
-             "completed": ok, "lost_before_bytes": dict(lost_before),
+             "victims": victims, "completed": ok, "lost_before_bytes": dict(lost_before),
              "mid_stream": dict(mid_stream), "report": report,
              "samples": [[round(t, 2), s] for t, s in samples]},
         )  # fmt: skip
