@@ -28,6 +28,7 @@ from harness import (
     level_row,
     load_cpu,
     proxy_toml,
+    window_wall,
     write_results,
 )
 
@@ -60,15 +61,15 @@ def run_phase(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
         per = args.clients // replicas
         cmd = ["--concurrency", str(per), "--warmup", str(args.warmup), "--duration",
                str(args.duration), "--drain-timeout", "0", "--input-len", "1024",
-               "--output-len", args.output_len]  # fmt: skip
+               "--output-len", args.output_len, "--save-records"]  # fmt: skip
         with Poller(sample, interval=0.5 * ts) as poll:
             lts = [
                 h.start_loadtest(px.url, [*cmd, "--seed", str(20 + i)], name=f"loadtest{i}")
                 for i, px in enumerate(proxies)
             ]
             results = [h.finish_loadtest(lt) for lt in lts]
-    w0 = max(r["levels"][0]["window"][0] for r in results)
-    w1 = min(r["levels"][0]["window"][1] for r in results)
+    windows = [window_wall(r) for r in results]  # on the poller's clock
+    w0, w1 = max(w[0] for w in windows), min(w[1] for w in windows)
     inside = [s for t, s in poll.samples if w0 <= t + poll.t0 <= w1]
     backends = {}
     for prof in PROFILES:
