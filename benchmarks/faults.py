@@ -165,13 +165,17 @@ def main() -> int:
             "victim_empty_after_s": first(te, lambda t, s: s[victim]["in_flight"] == 0),
             "clients_held_elsewhere_after_s": first(
                 te,
-                lambda t, s: s[victim]["in_flight"] == 0
-                and sum(s[n]["in_flight"] for n in others) + s["_queue"] >= 0.9 * args.clients,
+                lambda t, s: (
+                    s[victim]["in_flight"] == 0
+                    and sum(s[n]["in_flight"] for n in others) + s["_queue"] >= 0.9 * args.clients
+                ),
             ),
             "survivors_in_flight_at_limit_after_s": first(
                 te,
-                lambda t, s: s[victim]["in_flight"] == 0
-                and sum(s[n]["in_flight"] for n in others) >= 0.9 * args.clients,
+                lambda t, s: (
+                    s[victim]["in_flight"] == 0
+                    and sum(s[n]["in_flight"] for n in others) >= 0.9 * args.clients
+                ),
             ),
             "survivors_tok_s_back_after_s": first(
                 te + 0.5, lambda t, s: rate(others, t) >= 0.9 * base_rate

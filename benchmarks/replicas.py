@@ -161,6 +161,7 @@ def main() -> int:
         "```",
         "     t  one proxy             two replicas",
     ]
+
     def buckets(series: list) -> dict[int, str]:
         out: dict[int, list] = {}
         for t, d in series:
