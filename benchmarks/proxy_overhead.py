@@ -568,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(TARGETS),
         help=f"comma-separated subset of {','.join(TARGETS)} (direct is always measured)",
     )
+    ap.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every warmup and window (tests: 0.2)"
+    )
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (logs, JSON)")
     args = ap.parse_args(argv)
     mode = "quick" if args.quick else "full"
@@ -594,14 +597,15 @@ def main(argv: list[str] | None = None) -> int:
         sampler = CpuSampler(pids)
         sampler.start()
         bench = Bench(ch, sampler, urls, tmp)
+        k = args.scale
         for c, warmup, window, rounds in STREAM_LEVELS[mode]:
             for r in range(rounds):
                 order = targets if r % 2 == 0 else targets[::-1]
                 for t in order:
-                    bench.loadtest(t, c, warmup, window, stream=True)
+                    bench.loadtest(t, c, warmup * k, window * k, stream=True)
         c, warmup, window = RPS[mode]
         for t in targets:
-            bench.loadtest(t, c, warmup, window, stream=False)
+            bench.loadtest(t, c, warmup * k, window * k, stream=False)
         meta = {
             "mode": mode,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -615,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
             "stream_levels": STREAM_LEVELS[mode],
             "stream_workload": STREAM_WORKLOAD,
             "rps": RPS[mode],
+            "scale": args.scale,
             "rps_workload": RPS_WORKLOAD,
             "versions": versions(),
             "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
