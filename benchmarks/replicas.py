@@ -107,7 +107,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time-scale", type=float, default=0.25)
     ap.add_argument("--clients", type=int, default=192)
-    ap.add_argument("--warmup", type=float, default=30.0, help="modelled s")
+    ap.add_argument("--warmup", type=float, default=90.0, help="modelled s")
     ap.add_argument("--duration", type=float, default=40.0, help="modelled s")
     ap.add_argument("--output-len", default="uniform:64-256")
     ap.add_argument("--quick", action="store_true")
