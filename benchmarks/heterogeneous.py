@@ -123,6 +123,11 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=40.0, help="modelled s measured per level")
     ap.add_argument("--output-len", default="uniform:64-256")
     ap.add_argument("--fronts", default=",".join(FRONTS))
+    ap.add_argument(
+        "--fresh-per-level",
+        action="store_true",
+        help="fresh simulators and front end for every C (limits start over)",
+    )
     ap.add_argument("--quick", action="store_true", help="short smoke run")
     ap.add_argument("--no-save", action="store_true", help="print only")
     args = ap.parse_args()
@@ -132,8 +137,25 @@ def main() -> int:
     runs = []
     try:
         for front in args.fronts.split(","):
-            print(f"-- {front} ...", flush=True)
-            runs.append(run_front(front, args))
+            if not args.fresh_per_level:
+                print(f"-- {front} ...", flush=True)
+                runs.append(run_front(front, args))
+                continue
+            parts = []
+            for c in args.concurrency:  # fresh simulators and front end for every level
+                print(f"-- {front} C={c} ...", flush=True)
+                parts.append(
+                    run_front(front, argparse.Namespace(**{**vars(args), "concurrency": [c]}))
+                )
+            runs.append(
+                {
+                    "front": front,
+                    "rows": [r for p in parts for r in p["rows"]],
+                    "final_backends": parts[-1]["final_backends"],
+                    "queue": parts[-1]["queue"],
+                    "wall_s": sum(p["wall_s"] for p in parts),
+                }
+            )
     except KeyboardInterrupt:
         print("interrupted; children stopped")
         return 130
@@ -145,8 +167,15 @@ def main() -> int:
         f"Simulator time scale {args.time_scale} (all times modelled seconds); per level warmup "
         f"{args.warmup:g} s, window {args.duration:g} s; 1024-token prompts, output "
         f"{args.output_len} tokens (ignore_eos). Proxy: adaptive limits (pp8 hinted pp_size 8); "
-        "sglang-router 0.3.2 `power_of_two`. Each front end gets fresh simulators; the C levels "
-        f"run in order against it. Wall time {time.monotonic() - t0:.0f} s, {load_cpu()}.",
+        "sglang-router 0.3.2 `power_of_two`. "
+        + (
+            "Every (front end, C) pair gets fresh simulators and a fresh front end (limits start "
+            "over at each C). "
+            if args.fresh_per_level
+            else "Each front end gets fresh "
+            "simulators; the C levels run in order against it (limits carry over). "
+        )
+        + f"Wall time {time.monotonic() - t0:.0f} s, {load_cpu()}.",
         "",
         "| C | front end | output tok/s | E2E p50 s | E2E p99 s | TTFT p99 s | completed "
         "| failed |",
@@ -195,7 +224,9 @@ def main() -> int:
     print(text)
     if not args.no_save:
         write_results(
-            "heterogeneous" + ("-quick" if args.quick else ""),
+            "heterogeneous"
+            + ("-fresh" if args.fresh_per_level else "")
+            + ("-quick" if args.quick else ""),
             text,
             {"time_scale": args.time_scale, "warmup": args.warmup, "duration": args.duration,
              "output_len": args.output_len, "runs": runs, "margins": ms, "target_met": met},
