@@ -460,7 +460,7 @@ def run_plan(plan: DemoPlan, *, out: Any = None) -> int:
     console = make_console(out)
 
     def say(text: str) -> None:
-        console.print(text, highlight=False, markup=False)
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     t0 = time.monotonic()
     say(
