@@ -408,16 +408,20 @@ def _num(value: float | None) -> str:
     return fmt_num(value)
 
 
+def make_out_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"cannot create --out-dir {path}: {exc.strerror or exc}") from None
+
+
 def write_outputs(plan: DemoPlan, runs: Sequence[TargetRun], say: Callable[[str], None]) -> None:
     from loadtest.results import ResultsError
 
     done = [r for r in runs if r.result is not None and r.result.levels]
     if not done:
         return
-    try:
-        plan.out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CliError(f"cannot create --out-dir {plan.out_dir}: {exc.strerror or exc}") from None
+    make_out_dir(plan.out_dir)
     for run in done:
         path = plan.out_dir / f"{run.slug}.json"
         try:
@@ -458,6 +462,7 @@ def run_plan(plan: DemoPlan, *, out: Any = None) -> int:
     from loadtest.report import make_console
 
     console = make_console(out)
+    make_out_dir(plan.out_dir)  # a bad --out-dir fails before minutes of work
 
     def say(text: str) -> None:
         console.print(text, highlight=False, markup=False, soft_wrap=True)

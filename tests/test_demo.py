@@ -198,3 +198,14 @@ def test_proxy_settings_defaults_scaled_and_hints_from_profiles(scale):
     pp8 = next(b for b in s.backends if b.name == "pp8")
     assert (pp8.parallelism, pp8.pp_size, pp8.url) == ("pp", 8, "http://127.0.0.1:30000")
     assert s.server.port == 0
+
+
+def test_bad_out_dir_fails_at_once_in_one_line(tmp_path, capsys):
+    from loadtest.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["demo", "--quick", "--out-dir", str(blocker / "sub")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("loadtest demo: error: cannot create --out-dir")
+    assert "Traceback" not in err
