@@ -14,8 +14,6 @@ Documentation: docs/demo.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import signal
 import socket
 import sys
@@ -26,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.cli import CliError
+from loadtest.interrupt import run_stoppable
 from loadtest.run_cli import DEFAULT_CONCURRENCY, _nonneg, _positive, _positive_ints
 
 PROFILES = ("pp8", "tp8", "ep8")
@@ -514,32 +513,12 @@ def _run_loop(demo: Demo) -> bool:
     """Run the demo on uvloop. The first Ctrl-C (or SIGTERM) ends the current level, skips the
     rest and reports what was measured; a second one stops at once. Both clean up."""
     try:
-        import uvloop
-
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        runner = asyncio.Runner()
-    presses: list[float] = []
-
-    def on_signal() -> None:
-        presses.append(time.monotonic())
-        if len(presses) == 1:
-            print(
-                "\nstopping: ending this level and reporting what was measured "
-                "(Ctrl-C again to stop at once)",
-                file=sys.stderr,
-            )
-            demo.stop()
-        else:
-            raise KeyboardInterrupt
-
-    with runner:
-        loop = runner.get_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, on_signal)
-        try:
-            runner.run(demo.run())
-        except OSError as exc:
-            raise CliError(f"cannot start the demo's servers: {exc.strerror or exc}") from None
-    return bool(presses)
+        _, interrupted = run_stoppable(
+            demo.run,
+            demo.stop,
+            "ending this level and reporting what was measured (Ctrl-C again to stop at once)",
+            signals=(signal.SIGINT, signal.SIGTERM),
+        )
+    except OSError as exc:
+        raise CliError(f"cannot start the demo's servers: {exc.strerror or exc}") from None
+    return interrupted

@@ -10,15 +10,12 @@ Documentation: docs/loadtest.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
-import signal
 import sys
-import time
 from typing import Any
 
 from loadtest.cli import CliError
+from loadtest.interrupt import run_stoppable
 from loadtest.workload import API_PATHS, LengthDist, WorkloadConfig, load_dataset
 
 DEFAULT_CONCURRENCY = "1,4,32"
@@ -348,31 +345,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_sweep(sweep: Any) -> Any:
     """Run the sweep on uvloop; the first Ctrl-C stops it cleanly, a second one hard."""
-    try:
-        import uvloop
-
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        runner = asyncio.Runner()
-    with runner:
-        loop = runner.get_loop()
-        presses = []
-
-        def on_sigint() -> None:
-            presses.append(time.monotonic())
-            if len(presses) == 1:
-                print(
-                    "\nstopping: finishing up and writing what was measured "
-                    "(Ctrl-C again to abort)",
-                    file=sys.stderr,
-                )
-                sweep.stop()
-            else:
-                raise KeyboardInterrupt
-
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGINT, on_sigint)
-        return runner.run(sweep.run())
+    outcome, _ = run_stoppable(
+        sweep.run, sweep.stop, "finishing up and writing what was measured (Ctrl-C again to abort)"
+    )
+    return outcome
 
 
 def _finish(args: argparse.Namespace, sweep: Any, outcome: Any) -> int:
