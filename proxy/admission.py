@@ -220,6 +220,7 @@ class Admission:
         key = self._seq
         self._queues[priority][key] = waiter
         self.queued_total[priority] += 1
+        self._note_waiters()
         timeout = self.queue_deadline_s if deadline is None else max(deadline, 0.0)
         waiter.timer = loop.call_later(timeout, self._expire, priority, key)
         try:
@@ -233,6 +234,7 @@ class Admission:
         finally:
             waiter.timer.cancel()
             self._queues[priority].pop(key, None)
+            self._note_waiters()
 
     def wake(self) -> None:
         """Backends, health or limits changed: hand free slots to waiters, fail the hopeless."""
@@ -364,6 +366,12 @@ class Admission:
     def _dispatch(self, backends: list[Any], now: float) -> None:
         if not self.depth:
             return
+        try:
+            self._hand_out(backends, now)
+        finally:
+            self._note_waiters(backends)
+
+    def _hand_out(self, backends: list[Any], now: float) -> None:
         for p in PRIORITIES:
             q = self._queues[p]
             for key in list(q):
@@ -397,6 +405,16 @@ class Admission:
         waited = self._clock() - w.enqueued
         self._reject("queue_timeout", priority, waited)
         w.fut.set_exception(QueueTimeout(waited))
+        self._note_waiters()
+
+    def _note_waiters(self, backends: list[Any] | None = None) -> None:
+        """Tell every backend's stats whether requests wait here: a backend at its limit while
+        they do is under *pressure* (demand above its limit), which its limit reads."""
+        depth = self.depth
+        for b in self._backends() if backends is None else backends:
+            note = getattr(b.stats, "observe_waiters", None)
+            if note is not None:
+                note(depth)
 
     def _reject(
         self, reason: str, priority: str | None = None, waited: float | None = None

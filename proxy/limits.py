@@ -134,6 +134,7 @@ class Measure:
     at: float
     slack: bool = False  # demand did not fill the limit; ``level`` is the in-flight count used
     rate: float = 0.0  # decode capacity: in_flight / median ITL (tokens/s), else tokens_per_s
+    pressure: float = 0.0  # share of the time at the limit with requests waiting in the proxy
 
     @staticmethod
     def of(level: int, windows: list[Window], external: float = 0.0) -> Measure:
@@ -164,7 +165,10 @@ class Measure:
         n_ttft = sum(n for _, n in ttfts)
         # A handful of TTFT samples says more about prompt lengths than about congestion.
         ttft = sum(x * n for x, n in ttfts) / n_ttft if n_ttft >= MIN_TTFT_SAMPLES else None
-        return Measure(level, max(total, 1e-9), tps, itl, ttft, windows[-1].end, slack, rate)
+        pressure = sum(w.pressure * w.duration for w in windows) / span
+        return Measure(
+            level, max(total, 1e-9), tps, itl, ttft, windows[-1].end, slack, rate, pressure
+        )
 
 
 #: a window whose average in-flight stays below this fraction of the limit was demand-limited
@@ -173,6 +177,11 @@ SLACK = 0.8
 MIN_TTFT_SAMPLES = 5
 #: consecutive windows with stale scraped metrics before (and between) back-offs
 STALE_WINDOWS = 3
+#: a window (or measurement) this much of the time at the limit with requests waiting in the
+#: proxy's queue says demand exceeds the limit
+PRESSURE = 0.8
+#: measurements at a held knee under pressure between probes up (instead of ``probe_every``)
+PRESSURE_PROBE_EVERY = 2
 
 
 def _rose(now: float | None, ref: float | None, tol: float) -> bool:
@@ -240,7 +249,9 @@ class AdaptiveLimit:
         self._stale = 0  # consecutive windows with stale scraped metrics
         self._last_elasticity = 0.0  # of the last step kept: linear growth means no probe down
         self._held = 0
+        self._since_down = 0  # measurements held since the last scheduled probe
         self._probe_up_next = True
+        self._demand_held = False  # holding only because demand was lower (knee not found)
         self._congested: tuple[int, float] | None = None  # (level, until)
         self._external = 0.0  # requests others have in flight at this backend (scraped)
         self._last: Window | None = None
@@ -278,6 +289,8 @@ class AdaptiveLimit:
         if window.stale:
             self._windows.clear()  # saturated as far as we can tell: learn nothing, add nothing
             return
+        if self._phase == "hold" and self._demand_held and window.pressure >= PRESSURE:
+            self._resume_climb(window.end)  # this window is the first measurement of the level
         if not self._demand_bound(window) and self._phase not in ("climb", "probe_up"):
             # Too little demand to learn anything at the knee. (While climbing, a window that
             # did not fill the limit still tells how many requests there are to serve.)
@@ -315,6 +328,7 @@ class AdaptiveLimit:
             "current_itl_s": last.itl if last else None,
             "current_ttft_s": last.ttft if last else None,
             "current_tokens_per_s": last.tokens_per_s if last else None,
+            "pressure": last.pressure if last else None,
         }
 
     describe = snapshot
@@ -332,6 +346,7 @@ class AdaptiveLimit:
             keep = max(ref.level, min(self._limit, used + max(1, round(used * self.s.step / 2))))
             level = self._limit
             self._hold_at(ref, "", log=False)
+            self._demand_held = True
             self._set(keep, m.at, f"{ref.level}->{level}: demand-limited at {used}; hold {keep}")
             return
         if ref is None or ref.level >= m.level or ref.in_flight >= m.in_flight:
@@ -360,7 +375,9 @@ class AdaptiveLimit:
             self._baseline = m
             self._phase = "climb"
             self._last_elasticity = elasticity
-            if elasticity >= self.LINEAR and self._doubling:
+            if elasticity >= self.LINEAR:
+                # Still linear: the step doubles (slow start; after a refinement too, so a
+                # noisy refinement far below a large knee does not leave 25% steps to climb).
                 self._step = min(1.0, self._step * 2)
             else:
                 self._step = self.s.step
@@ -419,8 +436,25 @@ class AdaptiveLimit:
         if self._baseline is None:
             self._baseline = m
         self._held += 1
-        if self._held < self.s.probe_every:
+        self._since_down += 1
+        if m.pressure >= PRESSURE and self._since_down < self.s.probe_every:
+            # Requests wait in the proxy while this backend sits at its knee: probe up every
+            # PRESSURE_PROBE_EVERY measurements rather than every other ``probe_every`` (if
+            # the knee is real the probe is undone). Probes down keep their own schedule.
+            if self._held < PRESSURE_PROBE_EVERY:
+                return
+            self._held = 0
+            nxt = self._capped(self._up(m.level, self.s.step / 2), m.at)
+            if nxt > m.level:
+                self._phase = "probe_up"
+                self._step = self.s.step
+                self._set(nxt, m.at, "demand above the knee: probe up")
             return
+        if self._held < self.s.probe_every and self._since_down < self.s.probe_every:
+            return
+        if m.pressure >= PRESSURE:
+            self._probe_up_next = False  # the probes up were made; this one is the probe down
+        self._since_down = 0
         self._held = 0
         up = self._probe_up_next or m.level <= self.floor
         self._probe_up_next = not up
@@ -437,6 +471,18 @@ class AdaptiveLimit:
             if nxt < m.level:
                 self._phase = "probe_down"
                 self._set(nxt, m.at, "probe down")
+
+    def _resume_climb(self, now: float) -> None:
+        """Demand outgrew a limit held only because demand had been lower: the knee is still
+        unknown, so the search goes on from here with the usual steps, each one measured
+        (doubling if growth was still linear when demand ran out)."""
+        self._demand_held = False
+        self._ref = None
+        self._windows = []
+        self._phase = "climb"
+        self._doubling = self._last_elasticity >= self.LINEAR
+        self._step = 1.0 if self._doubling else self.s.step
+        self._log(now, "demand above the limit: climb again")
 
     def _climb_from(self, m: Measure, why: str, now: float | None = None) -> None:
         now = m.at if now is None else now
@@ -456,6 +502,7 @@ class AdaptiveLimit:
         self._phase = "hold"
         self._held = 0
         self._probe_up_next = False
+        self._demand_held = False
         self._step = self.s.step
         self._doubling = False
         if log:
@@ -502,7 +549,9 @@ class AdaptiveLimit:
         self._windows = []
         self._phase = "hold"
         self._held = 0
+        self._since_down = 0
         self._probe_up_next = True
+        self._demand_held = False
         self._step = self.s.step
         self._set(new, now, f"{why}: back off")
 

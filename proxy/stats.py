@@ -26,8 +26,11 @@ class Window:
 
     ``in_flight`` is the proxy's own time-averaged count; ``at_limit`` the fraction of the window
     the backend spent with ``in_flight >= limit`` (1.0 means demand exceeded the limit all along).
-    Scraped values are the latest fresh ones, or None when the backend is not scraped; ``stale``
-    is True when scraping is configured but its last success is too old (count as saturated).
+    ``pressure`` the fraction spent at the limit *while the proxy's queue held waiters*: demand
+    this backend could have taken had its limit been higher (1.0: the limit, not demand, bound
+    all along). Scraped values are the latest fresh ones, or None when the backend is not
+    scraped; ``stale`` is True when scraping is configured but its last success is too old
+    (count as saturated).
     """
 
     start: float
@@ -48,6 +51,7 @@ class Window:
     stale: bool = False
     restarted: bool = False
     itl_p50: float | None = None  # token-weighted median ITL: robust to prefill stalls
+    pressure: float = 0.0  # fraction of the window at the limit with requests queued in the proxy
 
     @property
     def duration(self) -> float:
@@ -136,6 +140,7 @@ class _WindowAcc:
     errors: int = 0
     in_flight_area: float = 0.0
     at_limit_time: float = 0.0
+    pressure_time: float = 0.0
 
 
 class BackendStats:
@@ -177,6 +182,7 @@ class BackendStats:
         # in-flight integration for windows
         self._in_flight = 0
         self._limit = 0
+        self._waiters = 0  # requests waiting in the proxy's queue (admission reports)
         self._if_stamp = clock()
         self._win = _WindowAcc(start=self._if_stamp)
         self._restart_pending = False
@@ -253,6 +259,16 @@ class BackendStats:
         self._integrate(now)
         self._in_flight = in_flight
         self._limit = limit
+
+    def observe_waiters(self, waiters: int, now: float | None = None) -> None:
+        """The number of requests waiting in the proxy's queue changed (admission reports it to
+        every backend): time at the limit with waiters is the window's ``pressure``."""
+        if (waiters > 0) == (self._waiters > 0):
+            self._waiters = waiters
+            return
+        now = self._clock() if now is None else now
+        self._integrate(now)
+        self._waiters = waiters
 
     def observe_scrape(
         self,
@@ -369,6 +385,7 @@ class BackendStats:
             limit=self._limit,
             in_flight=w.in_flight_area / span,
             at_limit=w.at_limit_time / span,
+            pressure=w.pressure_time / span,
             tokens=w.tokens,
             tokens_per_s=tps,
             itl=(w.itl_sum / w.itl_tokens) if w.itl_tokens else None,
@@ -421,6 +438,8 @@ class BackendStats:
             self._win.in_flight_area += self._in_flight * dt
             if self._limit > 0 and self._in_flight >= self._limit:
                 self._win.at_limit_time += dt
+                if self._waiters > 0:
+                    self._win.pressure_time += dt
         self._if_stamp = now
 
 

@@ -53,6 +53,8 @@ class KneeModel:
             limit=limit,
             in_flight=c,
             at_limit=1.0 if c >= limit else 0.0,
+            # requests wait in the proxy when there are more clients than the limit
+            pressure=1.0 if self.demand is None or self.demand > limit else 0.0,
             tokens=int(tps * duration),
             tokens_per_s=tps,
             itl=itl,
@@ -94,6 +96,7 @@ class BatchModel:
             limit=limit,
             in_flight=float(limit),
             at_limit=1.0,
+            pressure=1.0,
             tokens=int(tps * duration),
             tokens_per_s=tps,
             itl=step,

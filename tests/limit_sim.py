@@ -105,6 +105,11 @@ def closed_loop_through_proxy(
     counter = 0
 
     def dispatch(now: float) -> None:
+        hand_out(now)
+        for b in backends:  # as proxy/admission does: requests waiting here = pressure
+            b.stats.observe_waiters(len(queued), now)
+
+    def hand_out(now: float) -> None:
         nonlocal counter
         while queued:
             free = [b for b in backends if b.routable and b.in_flight < b.limit.limit]

@@ -310,3 +310,31 @@ async def test_works_with_the_proxys_backend_pool():
     assert not waiter.done()  # the draining backend takes nothing new
     next(lease for lease in leases if lease.backend is pp).release()
     assert (await waiter).backend is pp
+
+
+class StaticRecordingLimit(RecordingLimit):
+    def update(self, window) -> None:
+        self.windows.append(window)
+
+
+async def test_windows_report_pressure_only_while_requests_wait():
+    """A backend at its limit is under pressure only while the proxy's queue holds waiters:
+    that (not merely being at the limit) tells the limit that demand exceeds it."""
+    clock = FakeClock()
+    lim = StaticRecordingLimit(1)
+    a = FakeBackend("a", clock=clock, limit_obj=lim)
+    adm = admission([a], clock=clock)
+    first = await adm.acquire()
+    clock.advance(0.4)  # at the limit, nobody waiting
+    waiter = asyncio.create_task(adm.acquire())
+    await settle()
+    assert adm.depth == 1
+    clock.advance(0.6)  # at the limit with a waiter
+    first.release()  # closes the 1 s window and hands the slot to the waiter
+    second = await waiter
+    w = lim.windows[0]
+    assert w.at_limit == pytest.approx(1.0)
+    assert w.pressure == pytest.approx(0.6)
+    clock.advance(1.0)  # at the limit again, queue empty
+    second.release()
+    assert lim.windows[1].at_limit == pytest.approx(1.0) and lim.windows[1].pressure == 0.0

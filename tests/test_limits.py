@@ -200,3 +200,52 @@ def test_a_climb_that_outruns_demand_settles_just_above_it():
     assert 64 <= sorted(history[-30:])[15] <= 80  # (an up-probe may be in progress at the end)
     assert 60 <= lim.knee <= 80
     assert max(history[-30:]) <= 90
+
+
+def _windows_to_reach(history: list[int], level: int) -> int | None:
+    return next((i for i, lim in enumerate(history) if lim >= level), None)
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_demand_rising_past_a_held_limit_resumes_the_climb(seed):
+    """20 clients, then 128, in front of a knee of 64: the limit held for 20 climbs on at once."""
+    lim = adaptive(floor=8)
+    drive(lim, KneeModel(knee=64, seed=seed, demand=20), 60)
+    held = lim.limit
+    assert 20 <= held <= 28  # demand-limited: 20 plus headroom (and perhaps a probe's)
+    model = KneeModel(knee=64, seed=seed + 100, demand=128)
+    history = drive(lim, model, 80, t0=60)
+    reached = _windows_to_reach(history, 56)
+    assert reached is not None and reached <= 25  # periodic probes alone take > 60 windows
+    tail = history[40:]
+    assert sum(model.throughput(c) for c in tail) / len(tail) >= 0.93 * model.throughput(64)
+    assert sum(tail) / len(tail) <= 64 * 1.3
+
+
+def test_a_held_knee_with_requests_waiting_probes_up_sooner():
+    """A knee found too low (here: the backend got faster) is re-probed promptly while requests
+    wait in the proxy, and the limit follows the knee up."""
+    lim = adaptive(floor=1)
+    drive(lim, KneeModel(knee=24, seed=24), 80)
+    assert 18 <= lim.limit <= 32
+    history = drive(lim, KneeModel(knee=64, seed=25), 60, t0=80)
+    reached = _windows_to_reach(history, 48)
+    assert reached is not None and reached <= 24  # probes every probe_every: 27-37 windows
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_no_climb_without_requests_waiting_in_the_proxy(waiting):
+    """Demand grows to exactly the held limit (at the limit all along): with nothing waiting in
+    the proxy the limit only moves by the periodic probe's headroom; with waiters (more clients
+    than the limit) it climbs toward the knee (200 here)."""
+    lim = adaptive(floor=8)
+    drive(lim, KneeModel(knee=200, seed=26, demand=20), 60)
+    held = lim.limit
+    model = KneeModel(knee=200, seed=27, demand=held * 10 if waiting else held)
+    history = drive(lim, model, 60, t0=60)
+    resumed = any("demand above" in why for _, _, why in lim.history)
+    if waiting:
+        assert resumed and max(history) >= 4 * held
+    else:
+        assert not resumed
+        assert max(history) < 1.5 * held and lim.limit <= held + max(1, round(held * 0.125))
