@@ -113,9 +113,10 @@ def phase_open(args: argparse.Namespace, rate: float, via: str) -> dict[str, Any
             if via == "proxy":
                 bs = backends_by_name(fe.url)() or {}
                 for n, b in bs.items():
-                    knee = (b.get("limit_state") or {}).get("knee")
+                    st = b.get("limit_state") or {}
                     d = out.setdefault(n, {})
-                    d.update(in_flight=b["in_flight"], limit=b["limit"], knee=knee)
+                    d.update(in_flight=b["in_flight"], limit=b["limit"], knee=st.get("knee"),
+                             reason=st.get("reason"))  # fmt: skip
                 q = get_json(f"{fe.url}/admin/queue", timeout=1.0)
                 out["_queue"] = q
             return out
@@ -142,7 +143,21 @@ def phase_open(args: argparse.Namespace, rate: float, via: str) -> dict[str, Any
             d["at_limit_share"] = sum(x["in_flight"] >= x["limit"] for x in ss) / len(ss)
             d["knee_last"] = ss[-1].get("knee")
         backends[prof] = d
+    # Every change of a backend's limit or of its limit's reason, over the whole phase (modelled
+    # s since the poller started): how the limit got where it was in the window.
+    trace: dict[str, list[tuple[float, int, str]]] = {}
+    if via == "proxy":
+        for t, smp in poll.samples:
+            for prof in PROFILES:
+                x = smp.get(prof) or {}
+                if "limit" not in x:
+                    continue
+                row = (round(t / ts, 1), x["limit"], x.get("reason") or "")
+                rows = trace.setdefault(prof, [])
+                if not rows or rows[-1][1:] != row[1:]:
+                    rows.append(row)
     return {
+        "limit_trace": trace,
         "via": via,
         **level_row(lv),
         "request_throughput": lv["request_throughput"],
@@ -236,6 +251,14 @@ def main() -> int:
         f"{'bounded' if bounded else 'NOT bounded'}), {shed} requests shed with 429/503; "
         f"served {px['request_throughput'] / cap['request_throughput']:.2f} x capacity.",
     ]
+    if px.get("limit_trace"):
+        lines += ["", "Proxy phase: each backend's limit changes (modelled s, limit, reason):", ""]
+        lines.append("```")
+        for prof, rows in px["limit_trace"].items():
+            lines += [f"{prof:>5} {t:7.1f} {lim:4d}  {why}" for t, lim, why in rows[:40]]
+            if len(rows) > 40:
+                lines.append(f"{prof:>5} ... {len(rows) - 40} more")
+        lines.append("```")
     text = "\n".join(lines)
     print(text)
     if not args.no_save:

@@ -182,6 +182,8 @@ STALE_WINDOWS = 3
 PRESSURE = 0.8
 #: measurements at a held knee under pressure between probes up (instead of ``probe_every``)
 PRESSURE_PROBE_EVERY = 2
+#: largest relative step once slow start is over (steps double after linear growth up to it)
+GROWN_STEP = 0.5
 
 
 def _rose(now: float | None, ref: float | None, tol: float) -> bool:
@@ -205,7 +207,10 @@ class AdaptiveLimit:
     pays, down is kept if the throughput lost is below the same elasticity, so the knee follows
     the backend both ways. Explicit congestion (scraped queue above tolerance while TTFT rose, KV
     usage at ``kv_high``, stale metrics, failing requests) backs off multiplicatively at once and
-    keeps climbs below the congested level for ``congestion_memory_s``. A restart, or ITL/TTFT
+    keeps climbs below the congested level for ``congestion_memory_s``. Demand above the limit
+    (windows at the limit while requests wait in the proxy's queue: ``Window.pressure``) resumes
+    the climb at once from a demand-limited hold, and makes a held knee probe up every
+    PRESSURE_PROBE_EVERY measurements instead of every ``probe_every``. A restart, or ITL/TTFT
     drifting at the held knee without more throughput, starts the search again. Never below
     ``floor``, never above ``max_limit``.
     """
@@ -362,9 +367,10 @@ class AdaptiveLimit:
             # TTFT rising and no more tokens actually delivered say the step did not pay.
             elasticity = min(elasticity, measured / rel)
         doubled = self._phase == "climb" and self._step > self.s.step
-        if doubled and elasticity < self.LINEAR:
+        if doubled and elasticity < (self.LINEAR if self._doubling else self.s.min_gain):
             # A doubled step that was not linear may hide the knee inside it: go back and
-            # climb on with the base step.
+            # climb on with the base step. (A step grown after a refinement is kept if it paid
+            # at all: it was measured like a base step; only the next one is small again.)
             self._step = self.s.step
             self._doubling = False
             self._climb_from(ref, f"{ref.level}->{m.level} gained {gain:+.1%}: refine", m.at)
@@ -376,9 +382,10 @@ class AdaptiveLimit:
             self._phase = "climb"
             self._last_elasticity = elasticity
             if elasticity >= self.LINEAR:
-                # Still linear: the step doubles (slow start; after a refinement too, so a
-                # noisy refinement far below a large knee does not leave 25% steps to climb).
-                self._step = min(1.0, self._step * 2)
+                # Still linear: the step doubles (slow start; after a refinement too, up to
+                # GROWN_STEP, so a noisy refinement far below a large knee does not leave 25%
+                # steps all the way up).
+                self._step = min(1.0 if self._doubling else GROWN_STEP, self._step * 2)
             else:
                 self._step = self.s.step
             self._climb_from(m, f"{ref.level}->{m.level} gained {gain:+.1%}: climb")
