@@ -305,8 +305,13 @@ class BackendStats:
         s.last_error = None
 
     def mark_restarted(self) -> None:
-        """Health saw the backend come back: the next window tells the limit to start over."""
+        """Health saw the backend come back: the next window tells the limit to start over, and
+        routing forgets its old TTFT/ITL (error penalties included: they would otherwise stay
+        until it serves again, and a backend that looks slow is never picked while others have
+        room), so the returned backend counts as unmeasured and is probed first."""
         self._restart_pending = True
+        self.ttft_ewma.reset()
+        self.itl_ewma.reset()
 
     # ---- read side ---------------------------------------------------------------------
 

@@ -112,3 +112,17 @@ def test_latency_exact_ties_spread():
     b.stats.itl_ewma.value = a.stats.itl_ewma.value
     lat = make_policy("latency")
     assert {lat.pick([a, b]).name for _ in range(4)} == {"a", "b"}
+
+
+def test_a_backend_that_came_back_is_probed_despite_its_old_error_penalties():
+    """Error penalties stay in the TTFT estimate until the backend serves again; health marking
+    it back (mark_restarted) forgets them, so latency routing tries it instead of never."""
+    clock = FakeClock()
+    busy = measured("busy", ttft=0.3, itl=0.03, limit=64, in_flight=40, clock=clock)
+    back = measured("back", ttft=0.3, itl=0.03, clock=clock)
+    for _ in range(3):
+        back.stats.observe_completion(False, "connect")  # it died: penalties pile up
+    policy = make_policy("latency")
+    assert policy.pick([busy, back]) is busy
+    back.stats.mark_restarted()
+    assert policy.pick([busy, back]) is back
