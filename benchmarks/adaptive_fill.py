@@ -19,54 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
+
+from harness import free_port, get_json, stop, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RESULTS = REPO / "benchmarks" / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout} s")
-
-
-def get_json(url: str) -> dict | list | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return json.loads(r.read())
-    except (OSError, ValueError):
-        return None
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def proxy_config(port: int, sim_port: int, ts: float, limit: int | None) -> str:
