@@ -188,7 +188,11 @@ def main() -> int:
     if knee:
         reached = next((t for t, lim, _, _ in adaptive["trace"] if lim >= 0.9 * knee), None)
     tput_ratio = adaptive["output_tok_s"] / best["output_tok_s"]
-    ttft_ratio = adaptive["ttft_p99"] / best["ttft_p99"] if best["ttft_p99"] else float("nan")
+    ttft_ratio = (
+        adaptive["ttft_p99"] / best["ttft_p99"]
+        if best["ttft_p99"] and adaptive["ttft_p99"] is not None
+        else float("nan")
+    )
     lines = [
         f"## adaptive_fill: pp8 simulator (time scale {args.time_scale}) behind the proxy, "
         f"{args.clients} closed-loop clients",
@@ -201,10 +205,14 @@ def main() -> int:
         "| limit | output tok/s | TTFT p50 s | TTFT p99 s | E2E p99 s | completed in window |",
         "|---|---|---|---|---|---|",
     ]
+
+    def cell(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)  # no completion in the window
+
     for r in runs:
         lines.append(
-            f"| {r['label']} | {r['output_tok_s']:.0f} | {r['ttft_p50']:.2f} | "
-            f"{r['ttft_p99']:.2f} | {r['e2e_p99']:.1f} | {r['completed']} |"
+            f"| {r['label']} | {cell(r['output_tok_s'], '.0f')} | {cell(r['ttft_p50'], '.2f')} | "
+            f"{cell(r['ttft_p99'], '.2f')} | {cell(r['e2e_p99'], '.1f')} | {r['completed']} |"
         )
     lines += [
         "",
