@@ -26,11 +26,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-yaml = pytest.importorskip("yaml", reason="pyyaml is in the [test] extra")
+from proxy import app, cli, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -232,7 +233,6 @@ def test_entrypoint_is_an_installed_console_script():
 
 
 def test_the_cmd_flags_are_ones_the_proxy_accepts():
-    cli = pytest.importorskip("proxy.cli", reason="proxy/cli.py not written yet")
     cmd = [exec_form(a) for k, a in final_stage() if k == "CMD"][-1]
     args = cli.build_parser().parse_args(cmd)  # exits (SystemExit) on an unknown flag
     assert args.config == config_path_in_image()
@@ -271,7 +271,6 @@ def image_file_source(dest: str) -> Path:
 
 
 def test_the_configuration_the_image_names_parses_with_the_settings_model(monkeypatch):
-    settings = pytest.importorskip("proxy.settings", reason="proxy/settings.py not written yet")
     source = image_file_source(config_path_in_image())
     assert source.exists(), source
     clear_pipefill_env(monkeypatch)
@@ -351,7 +350,6 @@ def test_the_image_command_serves_its_healthcheck_and_obeys_sighup_and_sigterm(
     unused_port, tmp_path
 ):
     """Run the proxy as the image does (entry point + CMD + image env, but on 127.0.0.1)."""
-    pytest.importorskip("proxy.cli", reason="proxy/cli.py not written yet")
     entry = [exec_form(a) for k, a in final_stage() if k == "ENTRYPOINT"][-1]
     cmd = [exec_form(a) for k, a in final_stage() if k == "CMD"][-1]
     config = image_file_source(config_path_in_image())
@@ -484,9 +482,6 @@ def load_yaml(path: Path):
 
 
 def proxy_settings():
-    settings = pytest.importorskip("proxy.settings", reason="proxy/settings.py not written yet")
-    if not PROXY_TOML.exists():
-        pytest.skip("config/proxy.toml not written yet")
     return settings.load_settings(PROXY_TOML)
 
 
@@ -695,9 +690,6 @@ def registry_metrics() -> dict[str, set[str] | None]:
     Built the way the server builds it (proxy.app.Proxy, no sockets), so metrics registered
     outside proxy/metrics.py's Metrics class are included too.
     """
-    pytest.importorskip("proxy.metrics", reason="proxy/metrics.py not written yet")
-    app = pytest.importorskip("proxy.app", reason="proxy/app.py not written yet")
-    settings = pytest.importorskip("proxy.settings")
     backend = {"name": "pp8", "url": "http://127.0.0.1:1", "parallelism": "pp", "pp_size": 8}
     proxy = app.Proxy(settings.Settings(backends=[backend]))
     registry = proxy.metrics.registry
