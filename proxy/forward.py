@@ -443,7 +443,7 @@ class Forwarder:
                             bm.ttft.observe(now - t_send)
                         else:
                             gap = (now - last_tok) / n
-                            stats.observe_itl(gap, n)
+                            stats.observe_itl(gap, n, now)
                             bm.itl.observe(gap)
                         last_tok = now
                         stats.observe_tokens(n, now)

@@ -205,12 +205,14 @@ class BackendStats:
         with more than a probe's worth of requests, also for non-streaming traffic."""
         self.first_bytes += 1
 
-    def observe_itl(self, seconds_per_token: float, tokens: int = 1) -> None:
+    def observe_itl(
+        self, seconds_per_token: float, tokens: int = 1, now: float | None = None
+    ) -> None:
         """One inter-token gap: an event with ``tokens`` tokens after a gap gives that many samples
         of ``gap / tokens``."""
         if tokens <= 0:
             return
-        now = self._clock()
+        now = self._clock() if now is None else now
         self.itl_ewma.observe(seconds_per_token, now)
         w = self._win
         w.itl_sum += seconds_per_token * tokens
