@@ -3,7 +3,7 @@
     /work/venv/bin/python benchmarks/overload.py            # ~1.5 min on 2 cores
     /work/venv/bin/python benchmarks/overload.py --quick
 
-One run, three phases, each on fresh `loadtest sim` backends (pp8 + tp8 in one process):
+One run, three phases, each on fresh `loadtest sim` backends (pp8 and tp8, one process each):
 
 1. capacity: closed-loop clients (--capacity-clients, well above the backends' knees) through
    the proxy; capacity = completed requests per second of the window.
@@ -76,11 +76,11 @@ def proxy_cfg(urls: list[str], args: argparse.Namespace) -> str:
 def phase_capacity(args: argparse.Namespace, via: str) -> dict[str, Any]:
     """Closed-loop capacity through the proxy (its limits decide) or sglang-router (none)."""
     with Harness(f"overload-capacity-{via}", time_scale=args.time_scale) as h:
-        sim = h.sim(PROFILES)
+        urls = h.sims(PROFILES)
         if via == "proxy":
-            fe = h.proxy(proxy_cfg(sim.urls, args))
+            fe = h.proxy(proxy_cfg(urls, args))
         else:
-            fe = h.router(sim.urls, "round_robin")
+            fe = h.router(urls, "round_robin")
         cmd = ["--concurrency", str(args.capacity_clients), "--warmup", str(args.warmup),
                "--duration", str(args.duration), *workload(args)]  # fmt: skip
         fetch = backends_by_name(fe.url) if via == "proxy" else (lambda: None)
@@ -95,17 +95,17 @@ def phase_capacity(args: argparse.Namespace, via: str) -> dict[str, Any]:
 def phase_open(args: argparse.Namespace, rate: float, via: str) -> dict[str, Any]:
     ts = args.time_scale
     with Harness(f"overload-{via}", time_scale=ts) as h:
-        sim = h.sim(PROFILES)
+        urls = h.sims(PROFILES)
         if via == "proxy":
-            fe = h.proxy(proxy_cfg(sim.urls, args))
+            fe = h.proxy(proxy_cfg(urls, args))
         else:
-            fe = h.router(sim.urls, "round_robin")
+            fe = h.router(urls, "round_robin")
         cmd = ["--rate", f"{rate:.3f}", "--warmup", str(args.warmup), "--duration",
                str(args.duration), "--save-records", *workload(args)]  # fmt: skip
 
         def sample() -> dict[str, Any]:
             out: dict[str, Any] = {}
-            for prof, url in zip(PROFILES, sim.urls, strict=True):
+            for prof, url in zip(PROFILES, urls, strict=True):
                 load = get_json(f"{url}/get_load", timeout=1.0)
                 if isinstance(load, list):
                     out[prof] = {"reqs": sum(x["num_reqs"] for x in load),
