@@ -190,9 +190,13 @@ class Admission:
         priority: Priority = "interactive",
         exclude: Iterable[str] = frozenset(),
         deadline: float | None = None,
+        *,
+        front: bool = False,
     ) -> Lease:
         """Wait for a slot and bind a backend. ``deadline``: longest wait in seconds (default
-        the queue's ``deadline_s``). ``exclude``: backend names not to use (retries)."""
+        the queue's ``deadline_s``). ``exclude``: backend names not to use (retries).
+        ``front``: a request recalled from a backend's queue: it waits first in its class and
+        is never refused for a full queue (it was admitted once already)."""
         if priority not in self._queues:
             priority = "interactive"
         exclude = frozenset(exclude)
@@ -202,23 +206,31 @@ class Admission:
         if not any(self._usable(b, exclude) for b in backends):
             self._reject("no_healthy_backend")
             raise NoHealthyBackend()
-        if not self._ahead(priority):
+        if front or not self._ahead(priority):
             lease = self._bind(backends, exclude, priority, 0.0)
             if lease is not None:
                 return lease
-        if self.depth >= self.max_queue:
+        if self.depth >= self.max_queue and not front:
             self._reject("queue_full")
             raise QueueFull(self.retry_after())
-        return await self._wait(priority, exclude, now, deadline)
+        return await self._wait(priority, exclude, now, deadline, front)
 
     async def _wait(
-        self, priority: Priority, exclude: frozenset[str], now: float, deadline: float | None
+        self,
+        priority: Priority,
+        exclude: frozenset[str],
+        now: float,
+        deadline: float | None,
+        front: bool = False,
     ) -> Lease:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop.create_future(), priority, exclude, now)
         self._seq += 1
         key = self._seq
-        self._queues[priority][key] = waiter
+        if front:
+            self._queues[priority] = {key: waiter, **self._queues[priority]}
+        else:
+            self._queues[priority][key] = waiter
         self.queued_total[priority] += 1
         self._note_waiters()
         timeout = self.queue_deadline_s if deadline is None else max(deadline, 0.0)
@@ -441,13 +453,21 @@ class Admission:
             if s is not None and st.window_tokens() < s.window_tokens and age < s.max_window_s:
                 continue
             before = b.limit.limit
+            w = st.take_window(now)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("backend %s window %s", b.name, w)
             try:
-                b.limit.update(st.take_window(now))
+                b.limit.update(w)
             except Exception:  # a limit's bug must not fail requests: keep the old limit
                 log.exception("limit update failed for backend %s", b.name)
             after = b.limit.limit
             if after != before:
                 st.observe_in_flight(b.in_flight, after, now)
+            excess = b.in_flight - st.recalling - after
+            if after < before and excess > 0:
+                # The limit fell below what is in flight: take back what the backend has not
+                # started answering (newest first) and let whichever backend frees first have it.
+                st.recall_unanswered(excess)
 
 
 def _pct(sorted_xs: list[float], q: float) -> float | None:

@@ -253,8 +253,8 @@ class Proxy:
         if route is not None and route.admitted:
             priority = self._priority(request, key)
 
-            def acquire(exclude: frozenset[str]) -> Any:
-                return self.admission.acquire(priority, exclude)
+            def acquire(exclude: frozenset[str], recalled: bool = False) -> Any:
+                return self.admission.acquire(priority, exclude, front=recalled)
         else:
             acquire = self._direct_acquire
         return await self.forwarder.forward(  # type: ignore[union-attr]
@@ -268,7 +268,9 @@ class Proxy:
             on_reject=self._admission_error,
         )
 
-    async def _direct_acquire(self, exclude: frozenset[str]) -> _DirectLease:
+    async def _direct_acquire(
+        self, exclude: frozenset[str], recalled: bool = False
+    ) -> _DirectLease:
         cands = [b for b in self.pool.routable() if b.name not in exclude]
         healthy = [b for b in cands if b.state is State.HEALTHY] or cands
         if not healthy:

@@ -2,10 +2,12 @@
 
 The request path, as a few named steps::
 
-    lease = await acquire(exclude)        # admission: a backend with a free slot (late binding)
+    lease = await acquire(exclude, recalled)  # admission: a backend with a free slot (late binding)
     result = await attempt(lease.backend)  # upstream exchange, relayed chunk by chunk
     lease.release()
     failed before any byte reached the client?  -> exclude that backend, back off, acquire again
+    recalled (its limit fell below its in-flight count before it answered)?  -> acquire again,
+        first in the proxy's queue
 
 Streamed bytes are written to the client exactly as they arrive (never re-encoded); SSE events
 are only peeked at (proxy/sse.py) to time TTFT and inter-token gaps and to read usage, which land
@@ -66,7 +68,11 @@ class Lease:
     def release(self) -> None: ...
 
 
-Acquire = Callable[[frozenset[str]], Awaitable[Any]]
+#: ``acquire(exclude, recalled)``: a lease on a backend not in ``exclude``; ``recalled``: the
+#: request was taken back from a backend's queue and goes to the front of the proxy's
+Acquire = Callable[[frozenset[str], bool], Awaitable[Any]]
+#: Failure kind of a request recalled from a backend that queued it (see _Pending)
+RECALLED = "recalled"
 
 
 @dataclass(slots=True)
@@ -178,10 +184,11 @@ class Forwarder:
         last: Failure | None = None
         last_backend: Backend | None = None
         attempt = 0
+        recalled = False
         while True:
             attempt += 1
             try:
-                lease = await acquire(frozenset(excluded))
+                lease = await acquire(frozenset(excluded), recalled)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -210,6 +217,11 @@ class Forwarder:
                     self.pool.reap(backend)
             if not isinstance(result, Failure):
                 return result
+            recalled = result.kind == RECALLED
+            if recalled:  # not a failure of the backend: wait in the proxy's queue instead
+                self.metrics.retries.labels(RECALLED).inc()
+                attempt -= 1
+                continue
             last, last_backend = result, backend
             excluded.add(backend.name)
             if not result.retryable or attempt >= self._r.max_attempts:
@@ -264,8 +276,28 @@ class Forwarder:
         t_arrive: float,
     ) -> web.StreamResponse | Failure:
         headers = self._upstream_headers(request, b, request_id)
+        pending = _Pending(b.stats, time.monotonic(), api is not None and _streamed(body))
+        try:
+            return await self._exchange(
+                request, body, b, headers, pending, api, route, request_id, t_arrive
+            )
+        finally:
+            pending.answered()
+
+    async def _exchange(
+        self,
+        request: web.BaseRequest,
+        body: bytes | None,
+        b: Backend,
+        headers: CIMultiDict,
+        pending: _Pending,
+        api: Api | None,
+        route: str,
+        request_id: str,
+        t_arrive: float,
+    ) -> web.StreamResponse | Failure:
         url = b.url + request.raw_path
-        t_send = time.monotonic()
+        t_send = pending.t_send
         deadline = t_send + self._t.total_s
         bm = self.metrics.backend(b.name)
         resp: aiohttp.ClientResponse | None = None
@@ -273,6 +305,7 @@ class Forwarder:
         try:
             while True:
                 try:
+                    pending.recallable = True
                     async with asyncio.timeout(min(self._t.first_byte_s, self._t.total_s)):
                         resp = await self.session.request(
                             request.method,
@@ -281,6 +314,7 @@ class Forwarder:
                             headers=headers,
                             allow_redirects=False,
                         )
+                    pending.recallable = False
                     break
                 except _STALE_ERRORS as e:
                     # A pooled keep-alive connection the server had just closed: retry at
@@ -291,6 +325,11 @@ class Forwarder:
                         continue
                     raise
         except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if pending.recalled and task is not None and task.uncancel() == 0:
+                return Failure(
+                    RECALLED, 503, f"recalled from {b.name}", "upstream_recalled", retryable=True
+                )
             bm.disconnects.inc()
             raise
         except aiohttp.ConnectionTimeoutError:
@@ -310,7 +349,7 @@ class Forwarder:
             ctype = resp.headers.get("Content-Type", "")
             if ctype.startswith("text/event-stream"):
                 return await self._stream(
-                    request, resp, b, api, route, request_id, t_arrive, t_send, deadline
+                    request, resp, b, api, route, request_id, t_arrive, pending, deadline
                 )
             return await self._whole(request, resp, b, api, route, request_id, t_arrive, deadline)
         finally:
@@ -393,11 +432,12 @@ class Forwarder:
         route: str,
         request_id: str,
         t_arrive: float,
-        t_send: float,
+        pending: _Pending,
         deadline: float,
     ) -> web.StreamResponse | Failure:
         bm = self.metrics.backend(b.name)
         stats = b.stats
+        t_send = pending.t_send
         wd = _Watchdog(resp, self._t.idle_s, deadline)
         content = resp.content
         monotonic = time.monotonic
@@ -439,6 +479,7 @@ class Forwarder:
                     if n:
                         if first is None:
                             first = now
+                            pending.answered(now)
                             stats.observe_ttft(now - t_send)
                             bm.ttft.observe(now - t_send)
                         else:
@@ -504,6 +545,54 @@ class Forwarder:
             b.stats.observe_completion(ok, kind, now - t_arrive, output_tokens=tokens)
         bm.duration.observe(now - t_arrive)
         self.metrics.requests.labels(b.name, route, str(status)).inc()
+
+
+class _Pending:
+    """One request sent upstream until its first token (or its end): the backend's stats count
+    it as awaiting an answer, whichever way the attempt ends.
+
+    A streamed request still waiting for the backend's response headers (SGLang sends them
+    with the first token) can be *recalled* when the backend's limit falls below its in-flight
+    count: the attempt is cancelled, which closes the upstream connection (SGLang aborts the
+    request), and the request goes back to the proxy's queue, to whichever backend frees first.
+    Nothing has reached the client by then, so this is a retry like any before the first byte.
+    """
+
+    __slots__ = ("_key", "_stats", "_task", "recallable", "recalled", "t_send")
+
+    def __init__(self, stats: Any, t_send: float, streamed: bool) -> None:
+        self.t_send = t_send
+        self._stats = stats
+        self._task = asyncio.current_task() if streamed else None
+        self.recallable = False
+        self.recalled = False
+        self._key = stats.observe_sent(t_send, self._recall if streamed else None)
+
+    def _recall(self) -> bool:
+        if not self.recallable or self._task is None or self._task.done():
+            return False
+        self.recallable = False
+        self.recalled = True
+        self._task.cancel()
+        return True
+
+    def answered(self, now: float | None = None) -> None:
+        self.recallable = False
+        stats, self._stats = self._stats, None
+        if stats is not None:
+            stats.observe_answered(now, self._key)
+
+
+def _streamed(body: bytes | None) -> bool:
+    """Does this JSON request ask for a streamed answer? (Only those can be recalled: a
+    non-streamed request has no first token to tell queued from running.)"""
+    if not body or b'"stream"' not in body:
+        return False
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and obj.get("stream") is True
 
 
 def _maybe_stale(e: BaseException) -> bool:

@@ -71,6 +71,12 @@ class LimitSettings(BaseModel):
     queue_tolerance: float = Field(
         1.0, ge=0, description="scraped num_queue_reqs above this = the backend is queueing"
     )
+    slow_start_until: int = Field(
+        64,
+        ge=1,
+        description="slow start doubles the limit up to this level; above it a step adds "
+        "at most 50%",
+    )
 
 
 class Limit(Protocol):
@@ -135,6 +141,7 @@ class Measure:
     slack: bool = False  # demand did not fill the limit; ``level`` is the in-flight count used
     rate: float = 0.0  # decode capacity: in_flight / median ITL (tokens/s), else tokens_per_s
     pressure: float = 0.0  # share of the time at the limit with requests waiting in the proxy
+    awaiting: float = 0.0  # median over the windows of our requests without a token yet
 
     @staticmethod
     def of(level: int, windows: list[Window], external: float = 0.0) -> Measure:
@@ -157,9 +164,12 @@ class Measure:
         # Each decoding request makes one token per ITL: in flight / median ITL is the token
         # rate without the noise of prefill stalls and of requests finishing (PP windows vary
         # by +-35% in tokens/s, their median ITL by a few %).
-        # Requests SGLang reports as queued (scraped) are in flight but do not decode.
+        # Requests without a token yet (queued in SGLang or in prefill) are in flight but do not
+        # decode: the proxy counts its own live, SGLang's gauge (40 decode steps old) confirms.
         queues = [w.queue_reqs for w in windows if w.queue_reqs is not None]
-        decoding = max(total - (statistics.fmean(queues) if queues else 0.0), 1e-9)
+        scraped = statistics.fmean(queues) if queues else 0.0
+        awaiting = sum(w.awaiting * w.duration for w in windows) / span
+        decoding = max(total - max(scraped, awaiting), 1e-9)
         rate = decoding / itl if itl else tps
         ttfts = [(w.ttft, w.ttft_count) for w in windows if w.ttft is not None]
         n_ttft = sum(n for _, n in ttfts)
@@ -167,7 +177,16 @@ class Measure:
         ttft = sum(x * n for x, n in ttfts) / n_ttft if n_ttft >= MIN_TTFT_SAMPLES else None
         pressure = sum(w.pressure * w.duration for w in windows) / span
         return Measure(
-            level, max(total, 1e-9), tps, itl, ttft, windows[-1].end, slack, rate, pressure
+            level,
+            max(total, 1e-9),
+            tps,
+            itl,
+            ttft,
+            windows[-1].end,
+            slack,
+            rate,
+            pressure,
+            statistics.median(w.awaiting for w in windows),
         )
 
 
@@ -201,7 +220,9 @@ class AdaptiveLimit:
     backend at its limit; otherwise a window says nothing about capacity). Climbing from the
     start, a step from P to L is kept while throughput grows with elasticity >= ``min_gain``
     (with the defaults a 25% step must add >= 7.5% tokens/s); while growth is nearly linear the
-    step doubles (slow start), and an overshoot is refined with the base step below it. The first
+    step doubles (slow start, up to ``slow_start_until``; a doubling that paid less than linearly
+    is measured once more before slow start ends), and an overshoot is refined with the base
+    step below it. The first
     base step that does not pay is undone: P is the knee. At the knee the limit holds and every
     ``probe_every`` measurements probes a half step up or down (alternating): up is kept if it
     pays, down is kept if the throughput lost is below the same elasticity, so the knee follows
@@ -210,15 +231,19 @@ class AdaptiveLimit:
     keeps climbs below the congested level for ``congestion_memory_s``. Demand above the limit
     (windows at the limit while requests wait in the proxy's queue: ``Window.pressure``) resumes
     the climb at once from a demand-limited hold, and makes a held knee probe up every
-    PRESSURE_PROBE_EVERY measurements instead of every ``probe_every``. A restart, or ITL/TTFT
-    drifting at the held knee without more throughput, starts the search again. Never below
+    PRESSURE_PROBE_EVERY measurements instead of every ``probe_every``. A restart resumes at the
+    last measured knee (or searches from the start if none was found); ITL/TTFT drifting at the
+    held knee without more throughput starts the search again. Never below
     ``floor``, never above ``max_limit``.
     """
 
     name = "adaptive"
 
-    #: elasticity above which growth counts as linear and the climb step doubles
-    LINEAR = 0.8
+    #: elasticity above which growth counts as linear and the climb step doubles. A doubling
+    #: from L that gains >= 60% puts a sharp knee at >= 1.6 L, so 2 L is within 25% (one base
+    #: step) of it; real engines gain ~80% per doubling well below their knee (the step time
+    #: grows with the batch), and a threshold at 80% ended slow start on noise.
+    LINEAR = 0.6
 
     def __init__(self, settings: LimitSettings | None = None, *, floor: int = 1) -> None:
         self.s = settings or LimitSettings()
@@ -242,9 +267,10 @@ class AdaptiveLimit:
         self._limit = self._clamp(start)
         self._knee: int | None = None
         self._phase: Phase = "climb"
-        self._step = self.s.step
         self._doubling = True  # slow start: double while growth is linear
         self._step = 1.0
+        self._confirming = False  # re-measuring a doubling that did not look linear
+        self._good_knee: int | None = None  # the last knee chosen by measurement, not back-off
         self._ref: Measure | None = None  # measurement at the accepted level
         self._baseline: Measure | None = None  # measurement when the knee was (re)chosen
         self._windows: list[Window] = []
@@ -265,8 +291,12 @@ class AdaptiveLimit:
     def update(self, window: Window) -> None:
         self._last = window
         if window.restarted:
+            known = self._good_knee
             self.reset()
-            self._log(window.end, "backend restarted: search again")
+            if known is not None and known > self._limit:
+                self._resume_at(known, window.end)
+            else:
+                self._log(window.end, "backend restarted: search again")
             return
         if window.running_reqs is not None:
             scraped = window.running_reqs + (window.queue_reqs or 0.0)
@@ -304,7 +334,7 @@ class AdaptiveLimit:
         if window.tokens <= 0:
             return
         self._windows.append(window)
-        slow_start = self._phase == "climb" and self._doubling
+        slow_start = self._phase == "climb" and self._doubling and not self._confirming
         if len(self._windows) < (1 if slow_start else self.s.measure_windows):
             return
         m = Measure.of(self._limit, self._windows, self._external)
@@ -366,7 +396,29 @@ class AdaptiveLimit:
             # ITL may stay flat while the backend queues what we send (all its slots full):
             # TTFT rising and no more tokens actually delivered say the step did not pay.
             elasticity = min(elasticity, measured / rel)
+        # Requests that waited for a token all through the measurement, beyond the prefill
+        # churn seen at the lower level, were queued by the backend: its running cap lies
+        # inside this step, and what it runs is all a higher limit can get.
+        excess = m.awaiting - ref.awaiting * (m.in_flight / ref.in_flight)
+        if excess >= max(2.0, 0.25 * (m.level - ref.level)):
+            cap = max(ref.level, min(m.level - 1, round(m.level - excess)))
+            self._hold_at(ref, "", log=False)
+            self._knee = self._good_knee = cap
+            self._baseline = None  # the first measurement at the cap becomes it
+            why = f"{ref.level}->{m.level}: {excess:.0f} waited for a token: running cap {cap}"
+            self._set(cap, m.at, why)
+            return
         doubled = self._phase == "climb" and self._step > self.s.step
+        confirming, self._confirming = self._confirming, False
+        ambiguous = self.s.min_gain <= elasticity < self.LINEAR
+        if doubled and self._doubling and ambiguous and not confirming:
+            # Slow start measures a level from one window, and one window right after a raise
+            # can be caught in the prefill of the requests it admitted: a doubling that paid,
+            # but less than linearly, is measured again over ``measure_windows`` windows
+            # before slow start is given up.
+            self._confirming = True
+            self._log(m.at, f"{ref.level}->{m.level} gained {gain:+.1%}: measure again")
+            return
         if doubled and elasticity < (self.LINEAR if self._doubling else self.s.min_gain):
             # A doubled step that was not linear may hide the knee inside it: go back and
             # climb on with the base step. (A step grown after a refinement is kept if it paid
@@ -377,7 +429,7 @@ class AdaptiveLimit:
             return
         if elasticity >= self.s.min_gain:
             self._ref = m
-            self._knee = m.level
+            self._knee = self._good_knee = m.level
             self._baseline = m
             self._phase = "climb"
             self._last_elasticity = elasticity
@@ -404,7 +456,7 @@ class AdaptiveLimit:
         if rel > 0 and loss < self.s.min_gain * rel:
             # The higher level was not worth its extra in-flight: move the knee down, go on.
             self._ref = m
-            self._knee = m.level
+            self._knee = self._good_knee = m.level
             self._baseline = m
             nxt = self._down(m.level)
             if nxt < m.level:
@@ -479,6 +531,18 @@ class AdaptiveLimit:
                 self._phase = "probe_down"
                 self._set(nxt, m.at, "probe down")
 
+    def _resume_at(self, knee: int, now: float) -> None:
+        """A restarted backend is most likely the same deployment: hold at the knee it had
+        (a probe up follows soon). If it came back different, its first measurements say so:
+        queueing or a full KV pool backs off, a lower knee is found by the probes down."""
+        self._good_knee = knee
+        self._knee = self._clamp(knee)
+        self._phase = "hold"
+        self._doubling = False
+        self._step = self.s.step
+        self._probe_up_next = True
+        self._set(self._knee, now, f"backend restarted: resume at its knee {self._knee}")
+
     def _resume_climb(self, now: float) -> None:
         """Demand outgrew a limit held only because demand had been lower: the knee is still
         unknown, so the search goes on from here with the usual steps, each one measured
@@ -493,7 +557,16 @@ class AdaptiveLimit:
 
     def _climb_from(self, m: Measure, why: str, now: float | None = None) -> None:
         now = m.at if now is None else now
-        nxt = self._capped(self._up(m.level, self._step), now)
+        nxt = self._up(m.level, self._step)
+        until = self.s.slow_start_until
+        if self._step > GROWN_STEP and nxt > until:
+            # Slow start ends at ``slow_start_until``: a doubling that overshoots under a backlog
+            # commits requests to the backend's own queue, where they cannot be taken back.
+            if m.level >= until:
+                self._doubling = False
+                self._step = GROWN_STEP
+            nxt = max(until, self._up(m.level, GROWN_STEP))
+        nxt = self._capped(nxt, now)
         if nxt <= m.level:
             self._hold_at(m, f"{why}; no room above", now=now)
             return
@@ -501,7 +574,7 @@ class AdaptiveLimit:
         self._set(nxt, now, why)
 
     def _hold_at(self, m: Measure, why: str, *, log: bool = True, now: float | None = None) -> None:
-        self._knee = m.level
+        self._knee = self._good_knee = m.level
         self._baseline = (
             m if self._baseline is None or self._baseline.level != m.level else (self._baseline)
         )

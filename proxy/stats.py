@@ -52,6 +52,9 @@ class Window:
     restarted: bool = False
     itl_p50: float | None = None  # token-weighted median ITL: robust to prefill stalls
     pressure: float = 0.0  # fraction of the window at the limit with requests queued in the proxy
+    #: time-averaged count of our requests sent upstream that have not produced a token yet:
+    #: SGLang's queue and prefill as the proxy sees them, without the gauges' 40-step lag
+    awaiting: float = 0.0
 
     @property
     def duration(self) -> float:
@@ -141,6 +144,7 @@ class _WindowAcc:
     in_flight_area: float = 0.0
     at_limit_time: float = 0.0
     pressure_time: float = 0.0
+    awaiting_area: float = 0.0
 
 
 class BackendStats:
@@ -183,6 +187,10 @@ class BackendStats:
         self._in_flight = 0
         self._limit = 0
         self._waiters = 0  # requests waiting in the proxy's queue (admission reports)
+        self._awaiting = 0  # requests sent upstream without a token yet (forwarding reports)
+        self._send_seq = 0
+        self._recallable: dict[int, Callable[[], bool]] = {}  # unanswered, oldest first
+        self._recalled: set[int] = set()
         self._if_stamp = clock()
         self._win = _WindowAcc(start=self._if_stamp)
         self._restart_pending = False
@@ -261,6 +269,46 @@ class BackendStats:
         self._integrate(now)
         self._in_flight = in_flight
         self._limit = limit
+
+    def observe_sent(
+        self, now: float | None = None, recall: Callable[[], bool] | None = None
+    ) -> int:
+        """A request went upstream: it awaits its first token until ``observe_answered(key)``
+        with the key returned here. ``recall`` (optional) takes it back from the backend
+        before it answers (see ``recall_unanswered``); it returns whether it could."""
+        self._integrate(self._clock() if now is None else now)
+        self._awaiting += 1
+        self._send_seq += 1
+        if recall is not None:
+            self._recallable[self._send_seq] = recall
+        return self._send_seq
+
+    def observe_answered(self, now: float | None = None, key: int | None = None) -> None:
+        """A request sent upstream produced its first token, or ended without one."""
+        self._integrate(self._clock() if now is None else now)
+        self._awaiting = max(0, self._awaiting - 1)
+        if key is not None:
+            self._recallable.pop(key, None)
+            self._recalled.discard(key)
+
+    @property
+    def recalling(self) -> int:
+        """Requests recalled from this backend that have not let go of their slot yet."""
+        return len(self._recalled)
+
+    def recall_unanswered(self, n: int) -> int:
+        """Take back up to ``n`` requests that have not produced a token yet, newest first (at
+        the tail of the backend's own queue): they go back to the proxy's queue. Returns how
+        many were recalled."""
+        done = 0
+        for key in reversed(list(self._recallable)):
+            if done >= n:
+                break
+            recall = self._recallable.pop(key)
+            if recall():
+                self._recalled.add(key)
+                done += 1
+        return done
 
     def observe_waiters(self, waiters: int, now: float | None = None) -> None:
         """The number of requests waiting in the proxy's queue changed (admission reports it to
@@ -393,6 +441,7 @@ class BackendStats:
             in_flight=w.in_flight_area / span,
             at_limit=w.at_limit_time / span,
             pressure=w.pressure_time / span,
+            awaiting=w.awaiting_area / span,
             tokens=w.tokens,
             tokens_per_s=tps,
             itl=(w.itl_sum / w.itl_tokens) if w.itl_tokens else None,
@@ -421,6 +470,7 @@ class BackendStats:
             "max_tokens_per_s": self.max_tokens_per_s,
             "completions_per_s": self.completions_per_s,
             "output_tokens_mean": self.output_tokens,
+            "awaiting_first_token": self._awaiting,
             "trusted": self.trusted,
             "tokens_total": self.tokens_total,
             "completions_ok": self.completions_ok,
@@ -443,6 +493,7 @@ class BackendStats:
         dt = now - self._if_stamp
         if dt > 0:
             self._win.in_flight_area += self._in_flight * dt
+            self._win.awaiting_area += self._awaiting * dt
             if self._limit > 0 and self._in_flight >= self._limit:
                 self._win.at_limit_time += dt
                 if self._waiters > 0:

@@ -79,6 +79,7 @@ class BatchModel:
     prefill_s: float = 0.15
     noise: float = 0.02
     seed: int = 0
+    proxy_sees_queue: bool = True  # the queued requests show as awaiting their first token
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +108,7 @@ class BatchModel:
             queue_reqs=float(queued),
             token_usage=min(1.0, 0.3 + 0.01 * b),
             itl_p50=step,
+            awaiting=float(queued) if self.proxy_sees_queue else 0.0,
         )
 
 

@@ -122,6 +122,7 @@ def closed_loop_through_proxy(
             sent[rid] = (arrive, now)
             b.in_flight += 1
             b.stats.observe_in_flight(b.in_flight, b.limit.limit, now)
+            b.stats.observe_sent(now)
             n_out = output_len if isinstance(output_len, int) else rng.randint(*output_len)
             b.sched.submit(GenRequest(rid, input_len, n_out, ignore_eos=True), now)
 
@@ -135,6 +136,7 @@ def closed_loop_through_proxy(
                 arrive, t_send = sent[req.rid]
                 prev = last_tok.get(req.rid)
                 if prev is None:
+                    stats.observe_answered(now)
                     stats.observe_ttft(now - t_send)
                     run.ttfts.append((now, now - arrive))
                 else:
@@ -144,6 +146,8 @@ def closed_loop_through_proxy(
                 run.tokens_at.append((now, n))
             if finish is not None:
                 ok = finish.type != "abort"
+                if req.rid not in last_tok:
+                    stats.observe_answered(now)  # ended without a token
                 stats.observe_completion(ok, None if ok else "abort", output_tokens=req.generated)
                 arrive, _ = sent.pop(req.rid, (now, now))
                 last_tok.pop(req.rid, None)

@@ -33,6 +33,10 @@ class FakeUpstream:
         self.cancelled = 0
         self.requests: list[dict[str, Any]] = []
         self.fail_next: list[int] = []  # statuses for the next requests
+        #: chat/completions wait this long before answering (SGLang sends a stream's headers with
+        #: its first token, so a request it queues shows nothing); ``held``: waiting now
+        self.hold_s = 0.0
+        self.held = 0
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -126,6 +130,15 @@ class FakeUpstream:
         chat = request.path.endswith("chat/completions")
         n = s["tokens"] or int(body.get("max_tokens") or 4)
         words = [f" w{i}" for i in range(n)]
+        if self.hold_s:
+            self.held += 1
+            try:
+                await asyncio.sleep(self.hold_s)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            finally:
+                self.held -= 1
         if not body.get("stream"):
             text = "".join(words)
             choice = (

@@ -514,3 +514,77 @@ async def test_connect_timeout_is_retried_elsewhere():
         for c in fillers:
             c.close()
         blackhole.close()
+
+
+class _HandLimit:
+    """A limit the test moves by hand: the next window sets it to ``next``."""
+
+    name = "hand"
+    knee = None
+
+    def __init__(self, n: int) -> None:
+        self._limit = n
+        self.next: int | None = None
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def update(self, window) -> None:
+        if self.next is not None:
+            self._limit, self.next = self.next, None
+
+    def reset(self) -> None:
+        return None
+
+    def snapshot(self) -> dict:
+        return {"algorithm": self.name, "limit": self._limit, "knee": None}
+
+    describe = snapshot
+
+
+async def test_a_request_queued_by_a_backend_is_recalled_when_its_limit_falls():
+    """SGLang queues what exceeds its running cap and answers nothing until it runs it. When
+    the backend's limit falls below its in-flight count, the proxy takes back such a request
+    (closing the upstream connection) and serves it from the backend that frees first."""
+    async with fakes(2) as (slow, fast), running_proxy([slow.url, fast.url]) as px:
+        a, b = px.proxy.pool.all()
+        a.limit, b.limit = _HandLimit(1), _HandLimit(0)  # the first request can only go to a
+        slow.hold_s = 30.0
+        task = asyncio.create_task(
+            _post(
+                px.url + "/v1/chat/completions",
+                {"model": MODEL, "messages": [], "stream": True, "max_tokens": 3},
+            )
+        )
+        await wait_for(lambda: slow.held == 1)
+        assert a.stats.snapshot()["awaiting_first_token"] == 1
+        a.limit.next = 0  # the next window lowers a's limit below its in-flight count
+        b.limit._limit = 1
+        r, body = await asyncio.wait_for(task, 10)
+        assert r.status == 200 and b'" w2"' in body
+        assert r.headers["X-Pipefill-Backend"] == b.name
+        await wait_for(lambda: slow.cancelled == 1)  # the upstream request was closed
+        assert slow.held == 0 and a.in_flight == 0
+        assert a.stats.snapshot()["awaiting_first_token"] == 0 and a.stats.recalling == 0
+        metrics = (await _get(px.url + "/metrics"))[1].decode()
+        assert 'pipefill_retries_total{reason="recalled"} 1.0' in metrics
+
+
+async def test_a_non_streamed_request_is_never_recalled():
+    async with fakes(1) as (up,), running_proxy([up.url]) as px:
+        (a,) = px.proxy.pool.all()
+        a.limit = _HandLimit(1)
+        up.hold_s = 0.5
+        task = asyncio.create_task(
+            _post(
+                px.url + "/v1/chat/completions",
+                {"model": MODEL, "messages": [], "max_tokens": 3},
+                headers={"X-Fake-Delay": "0"},
+            )
+        )
+        await wait_for(lambda: up.held == 1)
+        assert a.stats.recall_unanswered(1) == 0  # no first token to tell queued from running
+        r, _ = await asyncio.wait_for(task, 10)
+        assert r.status == 200
+        assert a.stats.snapshot()["awaiting_first_token"] == 0
