@@ -141,7 +141,8 @@ class Measure:
     slack: bool = False  # demand did not fill the limit; ``level`` is the in-flight count used
     rate: float = 0.0  # decode capacity: in_flight / median ITL (tokens/s), else tokens_per_s
     pressure: float = 0.0  # share of the time at the limit with requests waiting in the proxy
-    awaiting: float = 0.0  # median over the windows of our requests without a token yet
+    awaiting: float = 0.0  # fewest of our requests without a token yet in any of the windows
+    windows: int = 1  # how many windows were measured
 
     @staticmethod
     def of(level: int, windows: list[Window], external: float = 0.0) -> Measure:
@@ -186,7 +187,8 @@ class Measure:
             slack,
             rate,
             pressure,
-            statistics.median(w.awaiting for w in windows),
+            min(w.awaiting for w in windows),
+            len(windows),
         )
 
 
@@ -399,8 +401,15 @@ class AdaptiveLimit:
         # Requests that waited for a token all through the measurement, beyond the prefill
         # churn seen at the lower level, were queued by the backend: its running cap lies
         # inside this step, and what it runs is all a higher limit can get.
+        confirming, self._confirming = self._confirming, False
         excess = m.awaiting - ref.awaiting * (m.in_flight / ref.in_flight)
         if excess >= max(2.0, 0.25 * (m.level - ref.level)):
+            if m.windows < self.s.measure_windows and not confirming:
+                # One window may still hold the prefill wave of the requests the raise
+                # admitted: only waiting that lasts through a full measurement is a queue.
+                self._confirming = True
+                self._log(m.at, f"{ref.level}->{m.level}: {excess:.0f} wait for a token: measure")
+                return
             cap = max(ref.level, min(m.level - 1, round(m.level - excess)))
             self._hold_at(ref, "", log=False)
             self._knee = self._good_knee = cap
@@ -409,7 +418,6 @@ class AdaptiveLimit:
             self._set(cap, m.at, why)
             return
         doubled = self._phase == "climb" and self._step > self.s.step
-        confirming, self._confirming = self._confirming, False
         ambiguous = self.s.min_gain <= elasticity < self.LINEAR
         if doubled and self._doubling and ambiguous and not confirming:
             # Slow start measures a level from one window, and one window right after a raise

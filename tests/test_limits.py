@@ -118,6 +118,28 @@ def test_requests_waiting_for_a_token_stop_the_climb_at_the_running_cap(cap):
     assert not any("running cap" in why for _, _, why in blind.history)
 
 
+def test_a_prefill_wave_after_a_raise_is_not_a_running_cap():
+    """The requests a raise admits wait for their prefill for a window or two: that is not a
+    queue, and the climb goes on to the knee."""
+
+    class PrefillWave(KneeModel):
+        def window(self, limit, t, duration=1.0):
+            w = super().window(limit, t, duration)
+            self.age = self.age + 1 if limit == self.level else 0
+            added = max(0, limit - (self.level or limit)) if self.age == 0 else self.added
+            self.added, self.level = added, limit
+            if self.age < 2:
+                w = dataclasses.replace(w, awaiting=float(added))
+            return w
+
+    model = PrefillWave(knee=100, seed=30)
+    model.level, model.age, model.added = None, 0, 0
+    lim = adaptive(floor=8)
+    history = drive(lim, model, 60)
+    assert not any("running cap" in why for _, _, why in lim.history)
+    assert max(history) >= 90
+
+
 def test_backs_off_when_the_backend_starts_queueing_at_the_knee():
     lim = adaptive(floor=1)
     drive(lim, KneeModel(knee=32, seed=19), 80)
