@@ -478,7 +478,9 @@ class AdaptiveLimit:
 
     def _on_hold(self, m: Measure) -> None:
         base = self._baseline
-        if base is not None and base.level == m.level:
+        # A limit held only because demand was lower is no knee: its baseline is a climb step's
+        # measurement (taken while the step's requests were still in prefill), not a steady one.
+        if base is not None and base.level == m.level and not self._demand_held:
             drift = _rose(m.itl, base.itl, self.s.drift_tolerance) or _rose(
                 m.ttft, base.ttft, 2 * self.s.drift_tolerance
             )

@@ -92,6 +92,18 @@ def test_readapts_when_the_backend_becomes_slower():
     assert 0.75 * before <= lim.limit <= 1.3 * before + 1
 
 
+def test_a_limit_held_for_lack_of_demand_does_not_search_again_on_latency():
+    """Held at demand (20 clients, knee 64): latency rising there is not a changed backend (the
+    baseline is a climb step's), and searching again from a quarter would starve the clients."""
+    lim = adaptive(floor=1)
+    drive(lim, KneeModel(knee=64, seed=31, demand=20), 60)
+    held = lim.limit
+    assert 20 <= held <= 28
+    drive(lim, KneeModel(knee=64, rate=12.5, seed=32, demand=20), 60, t0=60)
+    assert not any("drifted" in why for _, _, why in lim.history)
+    assert lim.limit >= 20
+
+
 def test_the_climb_stops_at_the_backends_running_cap():
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40, seed=11)
