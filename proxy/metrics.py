@@ -205,6 +205,12 @@ class _AdaptCollector(Collector):
             "pipefill_backend_scraped_running_reqs", "sglang:num_running_reqs (sum of ranks)", be
         )
         su = gauge("pipefill_backend_scraped_token_usage", "sglang:token_usage (fullest rank)", be)
+        waiting = gauge(
+            "pipefill_backend_awaiting_first_token",
+            "Requests sent to the backend that have produced no token yet (queued in SGLang "
+            "or in prefill, as the proxy sees them)",
+            be,
+        )
         age = gauge("pipefill_backend_scrape_age_seconds", "Age of the last successful scrape", be)
         stale = gauge("pipefill_backend_scrape_stale", "1 if scraped metrics are stale", be)
         for b in self._backends():
@@ -224,6 +230,7 @@ class _AdaptCollector(Collector):
             if st.ttft is not None:
                 ttft.add_metric(n, st.ttft)
             tps.add_metric(n, st.tokens_per_s)
+            waiting.add_metric(n, st.awaiting)
             sc = st.scrape
             for fam, value in ((sq, sc.queue_reqs), (sr, sc.running_reqs), (su, sc.token_usage)):
                 if value is not None:
@@ -233,7 +240,7 @@ class _AdaptCollector(Collector):
                 age.add_metric(n, a)
             if sc.attempted_at is not None:
                 stale.add_metric(n, 1.0 if st.scrape_stale() else 0.0)
-        yield from (knee, base_itl, base_ttft, itl, ttft, tps, ext, sq, sr, su, age, stale)
+        yield from (knee, base_itl, base_ttft, itl, ttft, tps, waiting, ext, sq, sr, su, age, stale)
 
         adm = self._admission
         depth = gauge("pipefill_queue_depth", "Requests waiting in the proxy's queue", ["class"])

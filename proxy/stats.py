@@ -292,6 +292,11 @@ class BackendStats:
             self._recalled.discard(key)
 
     @property
+    def awaiting(self) -> int:
+        """Requests sent upstream that have produced no token yet."""
+        return self._awaiting
+
+    @property
     def recalling(self) -> int:
         """Requests recalled from this backend that have not let go of their slot yet."""
         return len(self._recalled)

@@ -559,6 +559,8 @@ async def test_a_request_queued_by_a_backend_is_recalled_when_its_limit_falls():
         )
         await wait_for(lambda: slow.held == 1)
         assert a.stats.snapshot()["awaiting_first_token"] == 1
+        metrics = (await _get(px.url + "/metrics"))[1].decode()
+        assert f'pipefill_backend_awaiting_first_token{{backend="{a.name}"}} 1.0' in metrics
         a.limit.next = 0  # the next window lowers a's limit below its in-flight count
         b.limit._limit = 1
         r, body = await asyncio.wait_for(task, 10)
