@@ -169,6 +169,11 @@ class Health:
             if state is State.UNHEALTHY:
                 b.fresh = False
                 b.models = []  # re-read when it comes back (it may serve another model)
+                if any(o is not b for o in self.pool.routable()):
+                    # What it has not started answering would otherwise wait for its first-byte
+                    # timeout: retry those elsewhere now (nothing reached their clients yet).
+                    with contextlib.suppress(AttributeError):
+                        b.stats.recall_unanswered(b.in_flight)
             if state is State.HEALTHY:
                 b.ejections = 0
                 with contextlib.suppress(AttributeError):

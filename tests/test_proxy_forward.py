@@ -590,3 +590,25 @@ async def test_a_non_streamed_request_is_never_recalled():
         r, _ = await asyncio.wait_for(task, 10)
         assert r.status == 200
         assert a.stats.snapshot()["awaiting_first_token"] == 0
+
+
+async def test_an_ejected_backends_unanswered_requests_are_retried_elsewhere_at_once():
+    """A hung backend: its streamed requests without a token would wait for their first-byte
+    timeout; ejecting it sends them to another backend at once."""
+    async with fakes(2) as (hung, ok), running_proxy([hung.url, ok.url]) as px:
+        a, b = px.proxy.pool.all()
+        a.limit, b.limit = _HandLimit(1), _HandLimit(0)
+        hung.hold_s = 30.0
+        task = asyncio.create_task(
+            _post(
+                px.url + "/v1/chat/completions",
+                {"model": MODEL, "messages": [], "stream": True, "max_tokens": 2},
+            )
+        )
+        await wait_for(lambda: hung.held == 1)
+        b.limit._limit = 1
+        px.proxy.health.eject(a, "test")
+        r, body = await asyncio.wait_for(task, 10)
+        assert r.status == 200 and b"\" w1\"" in body
+        assert r.headers["X-Pipefill-Backend"] == b.name
+        await wait_for(lambda: hung.cancelled == 1)
