@@ -196,7 +196,8 @@ class Admission:
         """Wait for a slot and bind a backend. ``deadline``: longest wait in seconds (default
         the queue's ``deadline_s``). ``exclude``: backend names not to use (retries).
         ``front``: a request recalled from a backend's queue: it waits first in its class and
-        is never refused for a full queue (it was admitted once already)."""
+        is never refused for a full queue (it was admitted once already); its caller passes
+        what is left of its deadline."""
         if priority not in self._queues:
             priority = "interactive"
         exclude = frozenset(exclude)

@@ -254,7 +254,11 @@ class Proxy:
             priority = self._priority(request, key)
 
             def acquire(exclude: frozenset[str], recalled: bool = False) -> Any:
-                return self.admission.acquire(priority, exclude, front=recalled)
+                deadline = None
+                if recalled:  # its time in the backend's queue counts against the deadline
+                    waited = time.monotonic() - t_arrive
+                    deadline = self.admission.queue_deadline_s - waited
+                return self.admission.acquire(priority, exclude, deadline, front=recalled)
         else:
             acquire = self._direct_acquire
         return await self.forwarder.forward(  # type: ignore[union-attr]

@@ -551,6 +551,15 @@ async def test_a_request_queued_by_a_backend_is_recalled_when_its_limit_falls():
         a, b = px.proxy.pool.all()
         a.limit, b.limit = _HandLimit(1), _HandLimit(0)  # the first request can only go to a
         slow.hold_s = 30.0
+        adm = px.proxy.admission
+        calls: list[tuple[float | None, bool]] = []
+        acquire = adm.acquire
+
+        def spy(priority="interactive", exclude=frozenset(), deadline=None, *, front=False):
+            calls.append((deadline, front))
+            return acquire(priority, exclude, deadline, front=front)
+
+        adm.acquire = spy
         task = asyncio.create_task(
             _post(
                 px.url + "/v1/chat/completions",
@@ -571,6 +580,10 @@ async def test_a_request_queued_by_a_backend_is_recalled_when_its_limit_falls():
         assert a.stats.snapshot()["awaiting_first_token"] == 0 and a.stats.recalling == 0
         metrics = (await _get(px.url + "/metrics"))[1].decode()
         assert 'pipefill_retries_total{reason="recalled"} 1.0' in metrics
+        # Back in the proxy's queue, first, with what was left of its queue deadline.
+        assert calls[0] == (None, False)
+        deadline, front = calls[1]
+        assert front and deadline is not None and deadline < adm.queue_deadline_s
 
 
 async def test_a_non_streamed_request_is_never_recalled():
