@@ -236,9 +236,6 @@ class Admission:
         self._note_waiters()
         timeout = self.queue_deadline_s if deadline is None else max(deadline, 0.0)
         waiter.timer = loop.call_later(timeout, self._expire, priority, key)
-        # A slot may be free while earlier waiters are held for a full backend: this one may
-        # take it (its place in the queue counts it among those held).
-        self._dispatch(self._backends(), now)
         try:
             return await waiter.fut
         except asyncio.CancelledError:
@@ -387,10 +384,8 @@ class Admission:
         ahead: int,
     ) -> bool:
         """Does the policy expect this request to finish sooner on a backend that is full now
-        (``policy.worth_waiting``)? At most one request is held per full backend: holding more
-        would leave the free backend idle while a backlog builds (the full ones' capacity is
-        all they get). Never past half the queue deadline: a request is not held into a
-        rejection."""
+        (``policy.worth_waiting``)? Never past half the queue deadline: a request is not held
+        into a rejection."""
         ask = getattr(self.policy, "worth_waiting", None)
         if ask is None or waited >= 0.5 * self.queue_deadline_s:
             return False
@@ -399,7 +394,7 @@ class Admission:
             for b in backends
             if self._usable(b, exclude) and b.in_flight >= self._cap(b) and b.stats.trusted
         ]
-        return ahead < len(full) and ask(free, full, ahead)
+        return bool(full) and ask(free, full, ahead)
 
     def _release(self, b: Any) -> None:
         b.in_flight = max(0, b.in_flight - 1)

@@ -367,25 +367,3 @@ async def test_latency_holds_a_request_for_a_faster_full_backend():
     clock.advance(5.1)
     adm.wake()
     assert (await late).backend is slow
-
-
-async def test_only_one_request_is_held_per_full_backend():
-    """Holding more than the full backends' next slots would leave the free one idle while a
-    backlog builds: the second waiter takes the slow backend's slot."""
-    clock = FakeClock()
-    fast, slow = FakeBackend("tp", 1, clock=clock), FakeBackend("pp", 8, clock=clock)
-    for b, ttft, itl in ((fast, 0.1, 0.02), (slow, 0.5, 0.1)):
-        b.stats.observe_ttft(ttft)
-        b.stats.observe_itl(itl, 10)
-    for _ in range(40):
-        fast.stats.observe_completion(True, output_tokens=100)
-    slow.stats.observe_completion(True, output_tokens=100)
-    adm = admission([fast, slow], policy="latency", clock=clock, queue_deadline_s=10.0)
-    first = await adm.acquire()
-    held = asyncio.create_task(adm.acquire())
-    await settle()
-    second = asyncio.create_task(adm.acquire())
-    await settle()
-    assert not held.done() and second.done() and (await second).backend is slow
-    first.release()
-    assert (await held).backend is fast
