@@ -356,17 +356,10 @@ class Admission:
         return False
 
     def _bind(
-        self,
-        backends: list[Any],
-        exclude: frozenset[str],
-        priority: Priority,
-        waited: float,
-        ahead: int = 0,
+        self, backends: list[Any], exclude: frozenset[str], priority: Priority, waited: float
     ) -> Lease | None:
         cands = [b for b in backends if self._usable(b, exclude) and b.in_flight < self._cap(b)]
         if not cands:
-            return None
-        if self._worth_waiting(backends, exclude, cands, waited, ahead):
             return None
         b = self.policy.pick(cands) if len(cands) > 1 else cands[0]
         # No await between the pick and this increment.
@@ -374,27 +367,6 @@ class Admission:
         b.stats.observe_in_flight(b.in_flight, b.limit.limit)
         self.admitted[priority] += 1
         return Lease(self, b, priority, waited)
-
-    def _worth_waiting(
-        self,
-        backends: list[Any],
-        exclude: frozenset[str],
-        free: list[Any],
-        waited: float,
-        ahead: int,
-    ) -> bool:
-        """Does the policy expect this request to finish sooner on a backend that is full now
-        (``policy.worth_waiting``)? Never past half the queue deadline: a request is not held
-        into a rejection."""
-        ask = getattr(self.policy, "worth_waiting", None)
-        if ask is None or waited >= 0.5 * self.queue_deadline_s:
-            return False
-        full = [
-            b
-            for b in backends
-            if self._usable(b, exclude) and b.in_flight >= self._cap(b) and b.stats.trusted
-        ]
-        return bool(full) and ask(free, full, ahead)
 
     def _release(self, b: Any) -> None:
         b.in_flight = max(0, b.in_flight - 1)
@@ -413,7 +385,6 @@ class Admission:
             self._note_waiters(backends)
 
     def _hand_out(self, backends: list[Any], now: float) -> None:
-        ahead = 0  # waiters passed over so far (each waits for one of the full backends' slots)
         for p in PRIORITIES:
             q = self._queues[p]
             for key in list(q):
@@ -433,9 +404,8 @@ class Admission:
                 ):
                     return  # no free slot anywhere: nothing more to hand out
                 waited = now - w.enqueued
-                lease = self._bind(backends, w.exclude, p, waited, ahead)
+                lease = self._bind(backends, w.exclude, p, waited)
                 if lease is None:
-                    ahead += 1
                     continue  # this waiter's allowed backends are full; a later one may fit
                 q.pop(key, None)
                 self._observe_wait(p, waited, "admitted")

@@ -130,38 +130,13 @@ class Latency:
         slowdown = max(1.0, (b.in_flight + 1) / max(knee, 1))
         return (ttft + out_tokens * itl * slowdown) / _weight(b)
 
-    #: wait for a full backend only if that is expected to finish this much sooner
-    HOLD_MARGIN = 1.5
-
-    def _output_tokens(self, backends: list[Any]) -> float:
-        outs = [b.stats.output_tokens for b in backends if b.stats.output_tokens]
-        return sum(outs) / len(outs) if outs else float(self.default_output_tokens)
-
     def pick(self, candidates: list[Any]) -> Any:
-        out = self._output_tokens(candidates)
+        outs = [b.stats.output_tokens for b in candidates if b.stats.output_tokens]
+        out = sum(outs) / len(outs) if outs else float(self.default_output_tokens)
         n = len(candidates)
         offset = next(self._tick) % n  # rotate so exact ties spread
         rotated = candidates[offset:] + candidates[:offset]
         return min(rotated, key=lambda b: self.expected_completion(b, out))
-
-    def worth_waiting(self, free: list[Any], full: list[Any], ahead: int = 0) -> bool:
-        """Would a request finish sooner by waiting for a slot on a full backend than on the
-        best free one? The wait is ``ahead + 1`` completions at that backend's completion rate;
-        waiting must win by ``HOLD_MARGIN``. (A slow backend with a free slot otherwise takes
-        every request that arrives while the fast ones are full: on pp8 + tp8 + ep8 those
-        requests make the E2E tail.) Unmeasured backends are never waited for nor skipped."""
-        out = self._output_tokens(free + full)
-        best_free = min(self.expected_completion(b, out) for b in free)
-        if best_free < 0:
-            return False  # a new backend to probe
-        for b in full:
-            done = self.expected_completion(b, out)
-            rate = b.stats.completions_per_s
-            if done < 0 or rate <= 0:
-                continue
-            if (done + (ahead + 1) / rate) * self.HOLD_MARGIN < best_free:
-                return True
-        return False
 
 
 def make_policy(name: str | RoutingSettings = "latency", **kwargs: Any) -> Policy:

@@ -338,32 +338,3 @@ async def test_windows_report_pressure_only_while_requests_wait():
     clock.advance(1.0)  # at the limit again, queue empty
     second.release()
     assert lim.windows[1].at_limit == pytest.approx(1.0) and lim.windows[1].pressure == 0.0
-
-
-async def test_latency_holds_a_request_for_a_faster_full_backend():
-    """pp-like backend free, tp-like one full but finishing a request every ~0.25 s: the
-    request waits in the queue for the tp slot instead of taking the pp one; held at most half
-    the queue deadline."""
-    clock = FakeClock()
-    fast, slow = FakeBackend("tp", 1, clock=clock), FakeBackend("pp", 8, clock=clock)
-    for b, ttft, itl in ((fast, 0.1, 0.02), (slow, 0.5, 0.1)):
-        b.stats.observe_ttft(ttft)
-        b.stats.observe_itl(itl, 10)
-    for _ in range(40):
-        fast.stats.observe_completion(True, output_tokens=100)
-    slow.stats.observe_completion(True, output_tokens=100)
-    adm = admission([fast, slow], policy="latency", clock=clock, queue_deadline_s=10.0)
-    first = await adm.acquire()
-    assert first.backend is fast
-    waiter = asyncio.create_task(adm.acquire())
-    await settle()
-    assert not waiter.done() and slow.in_flight == 0  # held, although pp has room
-    first.release()
-    assert (await waiter).backend is fast
-    # Held past half the deadline: the slow backend's slot is taken after all.
-    late = asyncio.create_task(adm.acquire())
-    await settle()
-    assert not late.done()
-    clock.advance(5.1)
-    adm.wake()
-    assert (await late).backend is slow

@@ -126,22 +126,3 @@ def test_a_backend_that_came_back_is_probed_despite_its_old_error_penalties():
     assert policy.pick([busy, back]) is busy
     back.stats.mark_restarted()
     assert policy.pick([busy, back]) is back
-
-
-def _completions(b, n: int) -> None:
-    for _ in range(n):
-        b.stats.observe_completion(True, output_tokens=100)
-
-
-def test_latency_waits_for_a_fast_full_backend_only_while_that_is_sooner():
-    clock = FakeClock()
-    fast = measured("tp", ttft=0.1, itl=0.02, limit=2, in_flight=2, clock=clock)  # full
-    slow = measured("pp", ttft=0.5, itl=0.1, limit=64, clock=clock)  # free, 10.5 s per answer
-    lat = make_policy("latency")
-    _completions(fast, 40)  # ~4 completions/s: a slot frees every ~0.25 s
-    assert lat.worth_waiting([slow], [fast])  # 2.1 s + 0.25 s wait beats 10.5 s
-    assert not lat.worth_waiting([slow], [fast], ahead=40)  # 40 ahead: ~10 s more to wait
-    fresh = FakeBackend("new", 8, clock=clock)  # unmeasured: probe it instead of waiting
-    assert not lat.worth_waiting([fresh], [fast])
-    idle = measured("idle", ttft=0.1, itl=0.02, limit=2, in_flight=2, clock=clock)
-    assert not lat.worth_waiting([slow], [idle])  # no completion rate yet: no wait to expect
