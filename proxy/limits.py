@@ -414,6 +414,9 @@ class AdaptiveLimit:
             self._hold_at(ref, "", log=False)
             self._knee = self._good_knee = cap
             self._baseline = None  # the first measurement at the cap becomes it
+            # Every probe past a running cap lands requests in SGLang's queue for a
+            # measurement: none goes above it for ``congestion_memory_s``.
+            self._congested = (cap + 1, m.at + self.s.congestion_memory_s)
             why = f"{ref.level}->{m.level}: {excess:.0f} waited for a token: running cap {cap}"
             self._set(cap, m.at, why)
             return

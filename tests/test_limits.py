@@ -121,8 +121,14 @@ def test_requests_waiting_for_a_token_stop_the_climb_at_the_running_cap(cap):
     same), but those requests get no token: the proxy's own count stops the climb there."""
     lim = adaptive(floor=8)
     history = drive(lim, BatchModel(max_running=cap, seed=cap, per_req_ms=0.1), 90)
-    assert any("running cap" in why for _, _, why in lim.history)
+    found = next(t for t, _, why in lim.history if "running cap" in why)
     assert cap * 0.9 <= sum(history[-30:]) / 30 <= cap * 1.15
+    # No probe past the cap for congestion_memory_s (each would queue requests in SGLang)...
+    memory = int(LimitSettings().congestion_memory_s)
+    assert max(history[int(found) + 1 : int(found) + memory]) <= cap + 1
+    # ...and after it the probes go on (the cap may have moved).
+    more = drive(lim, BatchModel(max_running=cap, seed=cap + 1, per_req_ms=0.1), 60, t0=90)
+    assert max(more) > cap + 1
     # Without the proxy's count (gauges only), the same climb overshoots further.
     blind = adaptive(floor=8)
     model = BatchModel(max_running=cap, seed=cap, per_req_ms=0.1, proxy_sees_queue=False)
