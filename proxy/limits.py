@@ -441,7 +441,7 @@ class AdaptiveLimit:
         if elasticity >= self.s.min_gain:
             self._ref = m
             self._knee = self._good_knee = m.level
-            self._baseline = m
+            self._baseline = None  # a step's measurement: not a steady baseline (_hold_at)
             self._phase = "climb"
             self._last_elasticity = elasticity
             if elasticity >= self.LINEAR:
@@ -468,7 +468,7 @@ class AdaptiveLimit:
             # The higher level was not worth its extra in-flight: move the knee down, go on.
             self._ref = m
             self._knee = self._good_knee = m.level
-            self._baseline = m
+            self._baseline = None  # a step's measurement: not a steady baseline (_hold_at)
             nxt = self._down(m.level)
             if nxt < m.level:
                 self._set(nxt, m.at, f"{ref.level}->{m.level} lost only {loss:.1%}: lower")
@@ -505,7 +505,9 @@ class AdaptiveLimit:
                 )
                 return
         self._ref = m
-        if self._baseline is None:
+        if self._baseline is None and self._held >= 1:
+            # Not the first measurement after a change: that one may still hold the prefill
+            # of the requests the change admitted (fewer decoding, ITL low).
             self._baseline = m
         self._held += 1
         self._since_down += 1
@@ -588,9 +590,11 @@ class AdaptiveLimit:
 
     def _hold_at(self, m: Measure, why: str, *, log: bool = True, now: float | None = None) -> None:
         self._knee = self._good_knee = m.level
-        self._baseline = (
-            m if self._baseline is None or self._baseline.level != m.level else (self._baseline)
-        )
+        # The drift baseline is a measurement *held* at the knee (kept across probes): ``m`` was
+        # taken right after a step (its requests partly still in prefill, fewer of them
+        # decoding), so its ITL reads low and the steady state would look like drift.
+        if self._baseline is not None and self._baseline.level != m.level:
+            self._baseline = None
         self._ref = m
         self._phase = "hold"
         self._held = 0

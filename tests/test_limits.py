@@ -104,6 +104,27 @@ def test_a_limit_held_for_lack_of_demand_does_not_search_again_on_latency():
     assert lim.limit >= 20
 
 
+def test_a_steps_transient_is_not_the_drift_baseline():
+    """Right after a raise part of the requests are still in prefill, so fewer decode and ITL
+    reads low for a few windows: held at the knee, the steady ITL is not a drifted backend."""
+
+    class Transient(KneeModel):
+        def window(self, limit, t, duration=1.0):
+            w = super().window(limit, t, duration)
+            self.age = self.age + 1 if limit == self.level else 0
+            self.level = limit
+            if self.age < 3:  # the settle window and the next two
+                w = dataclasses.replace(w, itl=w.itl * 0.6, itl_p50=w.itl_p50 * 0.6)
+            return w
+
+    model = Transient(knee=48, seed=33)
+    model.level, model.age = None, 0
+    lim = adaptive(floor=8)
+    drive(lim, model, 150)
+    assert not any("drifted" in why for _, _, why in lim.history)
+    assert 40 <= lim.limit <= 64
+
+
 def test_the_climb_stops_at_the_backends_running_cap():
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40, seed=11)
