@@ -403,7 +403,9 @@ class AdaptiveLimit:
         # inside this step, and what it runs is all a higher limit can get.
         confirming, self._confirming = self._confirming, False
         excess = m.awaiting - ref.awaiting * (m.in_flight / ref.in_flight)
-        if excess >= max(2.0, 0.25 * (m.level - ref.level)):
+        # (Only where demand filled the limit: a slack step's level is the in-flight count
+        # used, a step of a few requests whose churn alone can read as two or three waiting.)
+        if not m.slack and excess >= max(2.0, 0.25 * (m.level - ref.level)):
             if m.windows < self.s.measure_windows and not confirming:
                 # One window may still hold the prefill wave of the requests the raise
                 # admitted: only waiting that lasts through a full measurement is a queue.

@@ -157,6 +157,21 @@ def test_requests_waiting_for_a_token_stop_the_climb_at_the_running_cap(cap):
     assert not any("running cap" in why for _, _, why in blind.history)
 
 
+def test_a_slack_step_is_not_a_running_cap():
+    """Demand just above a level (67 clients, limit raised from 64 to 96): the step's level is
+    the 67 used, and a few requests in prefill are churn, not SGLang's queue."""
+
+    class Churn(KneeModel):
+        def window(self, limit, t, duration=1.0):
+            w = super().window(limit, t, duration)
+            return dataclasses.replace(w, awaiting=3.0 if w.in_flight > 64 else 0.5)
+
+    lim = adaptive(floor=8, initial=64)
+    drive(lim, Churn(knee=200, seed=34, demand=67), 40)
+    assert not any("running cap" in why for _, _, why in lim.history)
+    assert lim.limit >= 67
+
+
 def test_a_prefill_wave_after_a_raise_is_not_a_running_cap():
     """The requests a raise admits wait for their prefill for a window or two: that is not a
     queue, and the climb goes on to the knee."""
