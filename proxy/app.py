@@ -230,6 +230,7 @@ class Proxy:
                 rid,
             )
         body: bytes | None = None
+        streamed = False
         if request.body_exists:
             length = request.content_length
             if length is not None and length > self._max_body:
@@ -239,9 +240,10 @@ class Proxy:
             except web.HTTPRequestEntityTooLarge:
                 return self._too_large(label, rid)
             if route is not None and body:
-                bad = _json_problem(body)
-                if bad:
-                    return self._reject(400, bad, "invalid_json", label, rid)
+                obj, bad = _json_object(body)
+                if obj is None:
+                    return self._reject(400, str(bad), "invalid_json", label, rid)
+                streamed = route.api is not None and obj.get("stream") is True
         if route is not None and not body:
             return self._reject(
                 400, "request body must be a JSON object", "invalid_json", label, rid
@@ -266,6 +268,7 @@ class Proxy:
             body,
             route=label,
             api=route.api if route else None,
+            streamed=streamed,
             acquire=acquire,
             request_id=rid,
             t_arrive=t_arrive,
@@ -398,14 +401,15 @@ def _key_in(key: bytes | None, keys: list[bytes]) -> bool:
     return found
 
 
-def _json_problem(body: bytes) -> str | None:
+def _json_object(body: bytes) -> tuple[dict, None] | tuple[None, str]:
+    """The request body as a JSON object, or what is wrong with it."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        return f"request body is not valid JSON: {e}"
+        return None, f"request body is not valid JSON: {e}"
     if not isinstance(obj, dict):
-        return "request body must be a JSON object"
-    return None
+        return None, "request body must be a JSON object"
+    return obj, None
 
 
 # ---- the server ---------------------------------------------------------------------------

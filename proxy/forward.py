@@ -172,13 +172,15 @@ class Forwarder:
         *,
         route: str,
         api: Api | None,
+        streamed: bool = False,
         acquire: Acquire,
         request_id: str,
         t_arrive: float,
         on_reject: Callable[[BaseException], web.Response | None],
     ) -> web.StreamResponse:
-        """``acquire(exclude)`` returns a lease or raises (``on_reject`` turns that into a
-        response, or returns None to re-raise)."""
+        """``acquire(exclude, recalled)`` returns a lease or raises (``on_reject`` turns that
+        into a response, or returns None to re-raise). ``streamed``: the client asked for a
+        stream (such a request can be recalled before its first token, see _Pending)."""
         rid_headers = {self._rid_header: request_id}
         excluded: set[str] = set()
         last: Failure | None = None
@@ -207,6 +209,7 @@ class Forwarder:
                     body,
                     backend,
                     api=api,
+                    streamed=streamed,
                     route=route,
                     request_id=request_id,
                     t_arrive=t_arrive,
@@ -271,12 +274,13 @@ class Forwarder:
         b: Backend,
         *,
         api: Api | None,
+        streamed: bool,
         route: str,
         request_id: str,
         t_arrive: float,
     ) -> web.StreamResponse | Failure:
         headers = self._upstream_headers(request, b, request_id)
-        pending = _Pending(b.stats, time.monotonic(), api is not None and _streamed(body))
+        pending = _Pending(b.stats, time.monotonic(), streamed)
         try:
             return await self._exchange(
                 request, body, b, headers, pending, api, route, request_id, t_arrive
@@ -556,6 +560,8 @@ class _Pending:
     count: the attempt is cancelled, which closes the upstream connection (SGLang aborts the
     request), and the request goes back to the proxy's queue, to whichever backend frees first.
     Nothing has reached the client by then, so this is a retry like any before the first byte.
+    Only streamed requests are recallable: a non-streamed one has no first token to tell
+    queued from running.
     """
 
     __slots__ = ("_key", "_stats", "_task", "recallable", "recalled", "t_send")
@@ -581,18 +587,6 @@ class _Pending:
         stats, self._stats = self._stats, None
         if stats is not None:
             stats.observe_answered(now, self._key)
-
-
-def _streamed(body: bytes | None) -> bool:
-    """Does this JSON request ask for a streamed answer? (Only those can be recalled: a
-    non-streamed request has no first token to tell queued from running.)"""
-    if not body or b'"stream"' not in body:
-        return False
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return False
-    return isinstance(obj, dict) and obj.get("stream") is True
 
 
 def _maybe_stale(e: BaseException) -> bool:
