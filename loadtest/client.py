@@ -21,6 +21,8 @@ from loadtest.workload import RequestSpec
 from proxy.sse import SSEFramer, TokenCounter
 
 READ_BUFSIZE = 4 * 1024 * 1024
+#: pipefill's default ``server.backend_header``: which backend served, kept per record
+SERVED_BY_HEADER = "X-Pipefill-Backend"
 
 
 class TargetError(Exception):
@@ -119,6 +121,7 @@ async def execute(
             rec.t_scheduled = rec.t_send
         async with session.post(url, data=spec.body) as resp:
             rec.status = resp.status
+            rec.served_by = resp.headers.get(SERVED_BY_HEADER)
             if resp.status >= 400:
                 body = await resp.read()
                 rec.error = f"http_{resp.status // 100}xx"

@@ -34,6 +34,7 @@ class RequestRecord:
     error: str | None = None  # error kind: connect, timeout, http_4xx, http_5xx, stream_error, ...
     error_message: str | None = None
     finish_reason: str | None = None
+    served_by: str | None = None  # the backend a proxy named in X-Pipefill-Backend, if any
 
     @property
     def ok(self) -> bool:

@@ -625,3 +625,29 @@ async def test_an_ejected_backends_unanswered_requests_are_retried_elsewhere_at_
         assert r.status == 200 and b'" w1"' in body
         assert r.headers["X-Pipefill-Backend"] == b.name
         await wait_for(lambda: hung.cancelled == 1)
+
+
+async def test_loadtest_records_which_backend_served():
+    from loadtest.client import Target, execute, make_session
+    from loadtest.records import RequestRecord
+    from loadtest.workload import RequestSpec
+
+    async with fakes(2) as ups, running_proxy([u.url for u in ups]) as px:
+        target = Target(url=px.url, api="chat")
+        body = {"model": MODEL, "messages": [], "max_tokens": 2, "stream": True}
+        names = {b.name for b in px.proxy.pool.all()}
+        async with make_session(target, 2) as session:
+            seen = set()
+            for _ in range(4):
+                rec = RequestRecord(level=1, worker=0, t_scheduled=0.0, t_send=0.0)
+                spec = RequestSpec(0, "/v1/chat/completions", orjson.dumps(body), 1, 2)
+                rec = await execute(session, target, spec, rec)
+                assert rec.ok, rec.error_message
+                seen.add(rec.served_by)
+        assert seen <= names and seen
+        direct = Target(url=ups[0].url, api="chat")
+        async with make_session(direct, 1) as session:
+            rec = RequestRecord(level=1, worker=0, t_scheduled=0.0, t_send=0.0)
+            spec = RequestSpec(0, "/v1/chat/completions", orjson.dumps(body), 1, 2)
+            rec = await execute(session, direct, spec, rec)
+        assert rec.ok and rec.served_by is None
