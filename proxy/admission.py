@@ -454,6 +454,7 @@ class Admission:
             if s is not None and st.window_tokens() < s.window_tokens and age < s.max_window_s:
                 continue
             before = b.limit.limit
+            reason = getattr(b.limit, "reason", None)
             w = st.take_window(now)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("backend %s window %s", b.name, w)
@@ -462,6 +463,8 @@ class Admission:
             except Exception:  # a limit's bug must not fail requests: keep the old limit
                 log.exception("limit update failed for backend %s", b.name)
             after = b.limit.limit
+            if log.isEnabledFor(logging.DEBUG) and getattr(b.limit, "reason", None) != reason:
+                log.debug("backend %s limit %d -> %d: %s", b.name, before, after, b.limit.reason)
             if after != before:
                 st.observe_in_flight(b.in_flight, after, now)
             excess = b.in_flight - st.recalling - after

@@ -285,6 +285,10 @@ class AdaptiveLimit:
         self._since_down = 0  # measurements held since the last scheduled probe
         self._probe_up_next = True
         self._demand_held = False  # holding only because demand was lower (knee not found)
+        #: the decision that slowed the search (a refine, a knee) was measured with nobody
+        #: waiting in the proxy: the router alone filled the limit, and a step of a few
+        #: requests is lost in the noise. A backlog takes the search up again in slow start.
+        self._unpressured = False
         self._congested: tuple[int, float] | None = None  # (level, until)
         self._external = 0.0  # requests others have in flight at this backend (scraped)
         self._last: Window | None = None
@@ -326,7 +330,9 @@ class AdaptiveLimit:
         if window.stale:
             self._windows.clear()  # saturated as far as we can tell: learn nothing, add nothing
             return
-        if self._phase == "hold" and self._demand_held and window.pressure >= PRESSURE:
+        if window.pressure >= PRESSURE and (
+            (self._phase == "hold" and self._demand_held) or self._unpressured
+        ):
             self._resume_climb(window.end)  # this window is the first measurement of the level
         if not self._demand_bound(window) and self._phase not in ("climb", "probe_up"):
             # Too little demand to learn anything at the knee. (While climbing, a window that
@@ -439,6 +445,7 @@ class AdaptiveLimit:
             self._step = self.s.step
             self._doubling = False
             self._climb_from(ref, f"{ref.level}->{m.level} gained {gain:+.1%}: refine", m.at)
+            self._unpressured = m.pressure < PRESSURE
             return
         if elasticity >= self.s.min_gain:
             self._ref = m
@@ -460,6 +467,7 @@ class AdaptiveLimit:
         )
         why = f"{ref.level}->{m.level} gained {gain:+.1%}{' with latency up' if rose else ''}"
         self._hold_at(ref, f"{why}: knee {ref.level}", now=m.at)
+        self._unpressured = m.pressure < PRESSURE
 
     def _on_down(self, m: Measure) -> None:
         ref = self._ref
@@ -476,6 +484,7 @@ class AdaptiveLimit:
                 self._set(nxt, m.at, f"{ref.level}->{m.level} lost only {loss:.1%}: lower")
             else:
                 self._hold_at(m, f"{ref.level}->{m.level} lost only {loss:.1%}: at floor")
+            self._unpressured = m.pressure < PRESSURE
             return
         self._phase = "hold"
         self._held = 0
@@ -561,16 +570,21 @@ class AdaptiveLimit:
         self._set(self._knee, now, f"backend restarted: resume at its knee {self._knee}")
 
     def _resume_climb(self, now: float) -> None:
-        """Demand outgrew a limit held only because demand had been lower: the knee is still
-        unknown, so the search goes on from here with the usual steps, each one measured
-        (doubling if growth was still linear when demand ran out)."""
+        """Demand outgrew a limit held only because demand had been lower, or a refine or
+        knee decided while nobody waited in the proxy: the search goes on from here with the
+        usual steps, each one measured (doubling if growth was still linear when demand ran
+        out; after an unpressured decision, which may have been noise, always: a backlog
+        waits out every measured step, so it climbs in slow start)."""
+        unpressured = self._unpressured and not self._demand_held
         self._demand_held = False
+        self._unpressured = False
         self._ref = None
         self._windows = []
         self._phase = "climb"
-        self._doubling = self._last_elasticity >= self.LINEAR
+        self._doubling = unpressured or self._last_elasticity >= self.LINEAR
         self._step = 1.0 if self._doubling else self.s.step
-        self._log(now, "demand above the limit: climb again")
+        why = "backlog after a step judged without one" if unpressured else "demand above the limit"
+        self._log(now, f"{why}: climb again")
 
     def _climb_from(self, m: Measure, why: str, now: float | None = None) -> None:
         now = m.at if now is None else now
@@ -602,6 +616,7 @@ class AdaptiveLimit:
         self._held = 0
         self._probe_up_next = False
         self._demand_held = False
+        self._unpressured = False
         self._step = self.s.step
         self._doubling = False
         if log:
@@ -642,6 +657,7 @@ class AdaptiveLimit:
             new = max(level - math.ceil(excess), level // 2)
         new = self._clamp(min(level - 1, new))
         self._congested = (level, now + self.s.congestion_memory_s)
+        self._unpressured = False
         self._knee = new
         self._ref = None
         self._baseline = None

@@ -380,6 +380,43 @@ def test_a_held_knee_with_requests_waiting_probes_up_sooner():
     assert reached is not None and reached <= 26
 
 
+class NoBacklog(KneeModel):
+    """The router fills the backend to its limit, but nobody waits in the proxy."""
+
+    def window(self, limit, t, duration=1.0):
+        return dataclasses.replace(super().window(limit, t, duration), pressure=0.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("judged", ["refine", "knee"])
+def test_a_backlog_after_a_step_judged_without_one_climbs_in_slow_start(seed, judged):
+    """Slow start refined, or a knee found, while nobody waited (here a real knee at 20; then
+    the backend gets a knee of 128 and a backlog): the search resumes at once and doubles,
+    instead of waiting for probes and climbing in measured steps (21 windows to 96 before)."""
+    lim = adaptive(floor=1)
+    for t in range(60):
+        drive(lim, NoBacklog(knee=20, seed=seed), 1, t0=t)
+        if judged == "refine" and "refine" in lim.reason:
+            break
+    assert lim.limit == 20
+    if judged == "knee":
+        assert lim.knee == 20
+    history = drive(lim, KneeModel(knee=128, seed=seed + 50), 60, t0=60)
+    assert any("backlog after a step judged without one" in why for _, _, why in lim.history)
+    reached = _windows_to_reach(history, 96)
+    assert reached is not None and reached <= 8
+    assert 96 <= sorted(history[-20:])[10] <= 216
+
+
+def test_a_knee_found_with_a_backlog_is_not_searched_again_at_once():
+    """The same backlog at a knee that was measured under one: only the periodic probes."""
+    lim = adaptive(floor=1)
+    drive(lim, KneeModel(knee=20, seed=3), 60)
+    assert lim.knee is not None and 16 <= lim.knee <= 26
+    drive(lim, KneeModel(knee=20, seed=4), 30, t0=60)
+    assert not any("without one" in why for _, _, why in lim.history)
+
+
 @pytest.mark.parametrize("waiting", [False, True])
 def test_no_climb_without_requests_waiting_in_the_proxy(waiting):
     """Demand grows to exactly the held limit (at the limit all along): with nothing waiting in
