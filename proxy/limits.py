@@ -232,7 +232,8 @@ class AdaptiveLimit:
     usage at ``kv_high``, stale metrics, failing requests) backs off multiplicatively at once and
     keeps climbs below the congested level for ``congestion_memory_s``. Demand above the limit
     (windows at the limit while requests wait in the proxy's queue: ``Window.pressure``) resumes
-    the climb at once from a demand-limited hold, and makes a held knee probe up every
+    the climb at once from a demand-limited hold, or in slow start after a refine, knee or probe
+    down judged with nobody waiting, and makes a held knee probe up every
     PRESSURE_PROBE_EVERY measurements instead of every ``probe_every``. A restart resumes at the
     last measured knee (or searches from the start if none was found); ITL/TTFT drifting at the
     held knee without more throughput starts the search again. Never below
