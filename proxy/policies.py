@@ -10,10 +10,12 @@ between. Policies read backends duck-typed: ``name``, ``weight``, ``in_flight``,
 - ``p2c_peak_ewma``: two random candidates, the lower peak-EWMA TTFT x (in_flight + 1) wins
   (Finagle/tower/Linkerd); errors and 429s enter the EWMA as slow samples.
 - ``latency`` (default): the soonest expected completion,
-  ``ttft + out_tokens x itl x max(1, (in_flight + 1) / knee)`` with this backend's measured
-  TTFT and ITL, the in-flight count it would have, and its knee (limit) as the number of
-  requests it drains in parallel without slowing down; ``out_tokens`` is the same for every
-  candidate (mean measured output length), so only the backend's speed decides.
+  ``ttft + out_tokens x itl(in_flight + 1) x max(1, (in_flight + 1) / knee)`` with this
+  backend's measured TTFT, its ITL at the in-flight count it would have (the ITL EWMA moved
+  along the slope measured between ITL and in flight: a TP or EP step grows with its batch, so
+  below the knee too the emptier of two similar backends is faster), and its knee (limit) as the
+  number of requests it drains in parallel before queueing; ``out_tokens`` is the same for
+  every candidate (mean measured output length), so only the backend's speed decides.
 
 A backend without measurements yet (new, restarted, or failing) ranks first in the latency
 policies so that it gets probed; admission caps such an untrusted backend at
@@ -123,7 +125,7 @@ class Latency:
 
     def expected_completion(self, b: Any, out_tokens: float) -> float:
         """Seconds until a request sent to ``b`` now would finish (-1: no data, probe it)."""
-        ttft, itl = b.stats.ttft, b.stats.itl
+        ttft, itl = b.stats.ttft, b.stats.itl_at(b.in_flight + 1)
         if ttft is None or itl is None:
             return -1.0
         knee = getattr(b.limit, "knee", None) or b.limit.limit

@@ -90,6 +90,45 @@ class DecayingEwma:
         self.value = None
 
 
+class DecayingSlope:
+    """Time-decayed least-squares slope of y against x (how ITL grows with the in-flight count).
+
+    Every sample weighs 1 when it arrives and decays with time constant ``tau``. ``slope`` is
+    None until x has varied by at least ``min_spread`` (standard deviation): a backend held at
+    one load says nothing about how its latency grows with load.
+    """
+
+    __slots__ = ("_s0", "_stamp", "_sx", "_sxx", "_sxy", "_sy", "min_spread", "tau")
+
+    def __init__(self, tau: float, *, min_spread: float = 1.0) -> None:
+        self.tau = tau
+        self.min_spread = min_spread
+        self.reset()
+
+    def observe(self, x: float, y: float, now: float) -> None:
+        d = math.exp(-max(now - self._stamp, 0.0) / self.tau)
+        self._stamp = now
+        self._s0 = self._s0 * d + 1.0
+        self._sx = self._sx * d + x
+        self._sy = self._sy * d + y
+        self._sxx = self._sxx * d + x * x
+        self._sxy = self._sxy * d + x * y
+
+    @property
+    def slope(self) -> float | None:
+        if self._s0 < 2.0:
+            return None
+        mx = self._sx / self._s0
+        var = self._sxx / self._s0 - mx * mx
+        if var < self.min_spread**2:
+            return None
+        return (self._sxy / self._s0 - mx * self._sy / self._s0) / var
+
+    def reset(self) -> None:
+        self._s0 = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._stamp = 0.0
+
+
 class RateMeter:
     """Events per second over a sliding horizon, in fixed buckets (tokens/s, completions/s)."""
 
@@ -170,6 +209,10 @@ class BackendStats:
         # routing estimates
         self.ttft_ewma = DecayingEwma(decay_s, peak=True)
         self.itl_ewma = DecayingEwma(decay_s)
+        # in flight when those ITL samples were taken, and how ITL grows with it (over a longer
+        # horizon: the load must have varied for a slope to show)
+        self.itl_load_ewma = DecayingEwma(decay_s)
+        self.itl_slope = DecayingSlope(decay_s * 6)
         self.output_tokens_ewma = DecayingEwma(decay_s * 3)
         self._tokens_rate = RateMeter(horizon_s=decay_s)
         self._completion_rate = RateMeter(horizon_s=decay_s)
@@ -222,6 +265,8 @@ class BackendStats:
             return
         now = self._clock() if now is None else now
         self.itl_ewma.observe(seconds_per_token, now)
+        self.itl_load_ewma.observe(self._in_flight, now)
+        self.itl_slope.observe(self._in_flight, seconds_per_token, now)
         w = self._win
         w.itl_sum += seconds_per_token * tokens
         w.itl_tokens += tokens
@@ -367,6 +412,8 @@ class BackendStats:
         self._restart_pending = True
         self.ttft_ewma.reset()
         self.itl_ewma.reset()
+        self.itl_load_ewma.reset()
+        self.itl_slope.reset()
 
     # ---- read side ---------------------------------------------------------------------
 
@@ -379,6 +426,15 @@ class BackendStats:
     def itl(self) -> float | None:
         """EWMA inter-token latency, seconds per token."""
         return self.itl_ewma.value
+
+    def itl_at(self, in_flight: float) -> float | None:
+        """Expected ITL with ``in_flight`` requests: the current EWMA moved along the measured
+        slope from the load it was measured at (no slope yet, or a negative one: the EWMA).
+        Kept within [1/2, 2] x the EWMA: the fit is local, not a model of the engine."""
+        itl, load, slope = self.itl_ewma.value, self.itl_load_ewma.value, self.itl_slope.slope
+        if itl is None or load is None or slope is None or slope <= 0:
+            return itl
+        return min(2.0 * itl, max(0.5 * itl, itl + slope * (in_flight - load)))
 
     @property
     def output_tokens(self) -> float | None:

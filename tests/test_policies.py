@@ -126,3 +126,39 @@ def test_a_backend_that_came_back_is_probed_despite_its_old_error_penalties():
     assert policy.pick([busy, back]) is busy
     back.stats.mark_restarted()
     assert policy.pick([busy, back]) is back
+
+
+def _learn_itl_curve(b, clock, base=0.04, per_request=0.004, loads=range(1, 9)):
+    """Feed ITL samples of a TP-like backend whose step grows with its batch."""
+    for n in loads:
+        b.stats.observe_in_flight(n, b.limit.limit)
+        for _ in range(20):
+            clock.advance(0.05)
+            b.stats.observe_itl(base + per_request * n)
+
+
+def test_itl_at_follows_the_measured_slope_and_needs_the_load_to_vary():
+    clock = FakeClock()
+    varied, flat = FakeBackend("varied", clock=clock), FakeBackend("flat", clock=clock)
+    _learn_itl_curve(varied, clock)
+    _learn_itl_curve(flat, clock, loads=[4] * 8)
+    at2, at8 = varied.stats.itl_at(2), varied.stats.itl_at(8)
+    assert at2 < at8
+    assert (at8 - at2) / 6 == pytest.approx(0.004, rel=0.25)
+    assert flat.stats.itl_at(1) == flat.stats.itl_at(30) == flat.stats.itl
+    varied.stats.mark_restarted()
+    assert varied.stats.itl_at(4) is None
+
+
+def test_latency_prefers_the_emptier_of_two_similar_backends_below_their_knees():
+    """Both far below their knee (32): one more request slows a TP step, so the backend with
+    fewer in flight finishes sooner (without the slope this was a tie, spread by rotation)."""
+    clock = FakeClock()
+    a, b = FakeBackend("a", 32, clock=clock), FakeBackend("b", 32, clock=clock)
+    for x in (a, b):
+        x.stats.observe_ttft(0.1)
+        x.stats.observe_completion(True, output_tokens=100)
+        _learn_itl_curve(x, clock)
+    a.in_flight, b.in_flight = 3, 1
+    lat = make_policy("latency")
+    assert {lat.pick([a, b]).name for _ in range(4)} == {"b"}
