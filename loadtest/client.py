@@ -18,11 +18,12 @@ import orjson
 
 from loadtest.records import RequestRecord
 from loadtest.workload import RequestSpec
+from proxy.settings import ServerSettings
 from proxy.sse import SSEFramer, TokenCounter
 
 READ_BUFSIZE = 4 * 1024 * 1024
 #: pipefill's default ``server.backend_header``: which backend served, kept per record
-SERVED_BY_HEADER = "X-Pipefill-Backend"
+SERVED_BY_HEADER: str = ServerSettings.model_fields["backend_header"].default
 
 
 class TargetError(Exception):

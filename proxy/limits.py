@@ -286,9 +286,9 @@ class AdaptiveLimit:
         self._since_down = 0  # measurements held since the last scheduled probe
         self._probe_up_next = True
         self._demand_held = False  # holding only because demand was lower (knee not found)
-        #: the decision that slowed the search (a refine, a knee) was measured with nobody
-        #: waiting in the proxy: the router alone filled the limit, and a step of a few
-        #: requests is lost in the noise. A backlog takes the search up again in slow start.
+        #: the decision that slowed the search (a refine, a knee, a probe down kept) was made
+        #: with nobody waiting in the proxy: the router alone filled the limit, and a step of a
+        #: few requests is lost in the noise. A backlog takes the search up again in slow start.
         self._unpressured = False
         self._congested: tuple[int, float] | None = None  # (level, until)
         self._external = 0.0  # requests others have in flight at this backend (scraped)
@@ -571,9 +571,9 @@ class AdaptiveLimit:
         self._set(self._knee, now, f"backend restarted: resume at its knee {self._knee}")
 
     def _resume_climb(self, now: float) -> None:
-        """Demand outgrew a limit held only because demand had been lower, or a refine or
-        knee decided while nobody waited in the proxy: the search goes on from here with the
-        usual steps, each one measured (doubling if growth was still linear when demand ran
+        """Demand outgrew a limit held only because demand had been lower, or a refine, knee
+        or probe down decided while nobody waited in the proxy: the search goes on from here
+        with the usual steps, each one measured (doubling if growth was still linear when demand ran
         out; after an unpressured decision, which may have been noise, always: a backlog
         waits out every measured step, so it climbs in slow start)."""
         unpressured = self._unpressured and not self._demand_held
