@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy.limits import LimitSettings
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -328,16 +330,18 @@ def proxy_toml(
 ) -> str:
     """Proxy configuration TOML for `backends` ({name, url, parallelism, pp_size, ...}).
 
-    Durations that pace the proxy (observation windows, scrape and health intervals, ejection,
-    retry backoff) are scaled by `time_scale`, so that they stay one modelled second (etc.)
-    against a simulator running at that scale. `sections` (server=, queue=, limits=, health=,
-    timeouts=, retries=, scrape=, ...) override or add keys, given in wall seconds."""
+    Durations that pace the proxy (observation windows, the limits' congestion memory, scrape
+    and health intervals, ejection, retry backoff) are scaled by `time_scale`, so that they stay
+    one modelled second (etc.) against a simulator running at that scale. `sections` (server=,
+    queue=, limits=, health=, timeouts=, retries=, scrape=, ...) override or add keys, given in
+    wall seconds."""
     ts = time_scale
     base: dict[str, dict[str, Any]] = {
         "server": {"host": HOST, "port": port or free_port(), "shutdown_grace_s": 1,
                    "log_level": "warning"},
         "routing": {"policy": policy},
-        "limits": {"window_s": 1.0 * ts, "max_window_s": 5.0 * ts},
+        "limits": {"window_s": 1.0 * ts, "max_window_s": 5.0 * ts,
+                   "congestion_memory_s": LimitSettings().congestion_memory_s * ts},
         "scrape": {"interval_s": max(1.0 * ts, 0.05)},
         "health": {"interval_s": max(1.0 * ts, 0.05), "timeout_s": max(1.0 * ts, 0.2),
                    "eject_s": max(2.0 * ts, 0.1)},

@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.stats import Window
+from proxy.stats import Window, weighted_median
 
 
 class LimitSettings(BaseModel):
@@ -159,9 +159,11 @@ class Measure:
         total = ours + external
         if ours > 0:
             tps *= total / ours
-        p50s = [w.itl_p50 if w.itl_p50 is not None else w.itl for w in windows]
-        p50s = [x for x in p50s if x is not None and x > 0]
-        itl = statistics.median(p50s) if p50s else None
+        # Weighted by tokens, as if the windows' token gaps were pooled: a PP window caught in a
+        # prefill stall carries few tokens, all slow, and a plain median of three windows' medians
+        # read one or two of those as the backend's ITL (on pp8 ~0.1 s against ~0.02 s).
+        p50s = [(w.itl_p50 if w.itl_p50 is not None else w.itl, w.tokens) for w in windows]
+        itl = weighted_median([(x, max(n, 1)) for x, n in p50s if x is not None and x > 0])
         # Each decoding request makes one token per ITL: in flight / median ITL is the token
         # rate without the noise of prefill stalls and of requests finishing (PP windows vary
         # by +-35% in tokens/s, their median ITL by a few %).
@@ -203,8 +205,16 @@ STALE_WINDOWS = 3
 PRESSURE = 0.8
 #: measurements at a held knee under pressure between probes up (instead of ``probe_every``)
 PRESSURE_PROBE_EVERY = 2
+#: measurements in a row at the held knee that must read drifted before the search starts again:
+#: on pp8 a wave of arrivals stalls the pipeline in prefill for two measurements (~6 s), which
+#: is no change of the backend
+DRIFT_MEASUREMENTS = 3
 #: largest relative step once slow start is over (steps double after linear growth up to it)
 GROWN_STEP = 0.5
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
 
 def _rose(now: float | None, ref: float | None, tol: float) -> bool:
@@ -501,7 +511,7 @@ class AdaptiveLimit:
             )
             drift = drift and m.tokens_per_s < base.tokens_per_s * (1.0 + self.s.latency_tolerance)
             self._drifts = self._drifts + 1 if drift else 0
-            if self._drifts >= 2:  # twice in a row: one slow measurement is not a change
+            if self._drifts >= DRIFT_MEASUREMENTS:
                 # Same in-flight, slower answers, no more throughput: the backend changed
                 # (slower, restarted, shared with other traffic). Search again from below.
                 self._drifts = 0
@@ -512,9 +522,11 @@ class AdaptiveLimit:
                 self._doubling = True
                 # The knee may have moved anywhere below: slow start from a quarter of it.
                 self._last_elasticity = 0.0
-                self._set(
-                    self._clamp(round(m.level / 4)), m.at, "latency drifted at the knee: search"
+                why = (
+                    f"latency drifted at the knee (ITL {_ms(base.itl)} -> {_ms(m.itl)} ms, "
+                    f"TTFT {_ms(base.ttft)} -> {_ms(m.ttft)} ms): search"
                 )
+                self._set(self._clamp(round(m.level / 4)), m.at, why)
                 return
         self._ref = m
         if self._baseline is None and self._held >= 1:

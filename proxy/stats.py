@@ -515,7 +515,7 @@ class BackendStats:
             running_reqs=self.scrape.running_reqs if fresh else None,
             stale=stale,
             restarted=self._restart_pending,
-            itl_p50=_weighted_median(w.itls),
+            itl_p50=weighted_median(w.itls),
         )
         self._restart_pending = False
         self._win = _WindowAcc(start=now)
@@ -562,7 +562,8 @@ class BackendStats:
         self._if_stamp = now
 
 
-def _weighted_median(samples: list[tuple[float, int]]) -> float | None:
+def weighted_median(samples: list[tuple[float, int]]) -> float | None:
+    """The median of values given as (value, weight) pairs; None when there are none."""
     if not samples:
         return None
     xs = sorted(samples)

@@ -125,6 +125,34 @@ def test_a_steps_transient_is_not_the_drift_baseline():
     assert 40 <= lim.limit <= 64
 
 
+def test_prefill_stalls_at_a_held_knee_are_not_drift():
+    """On a PP backend a window caught in a prefill stall carries few tokens, all slow (pp8 at
+    64 in flight: ~1 window in 4 has a median ITL of ~0.1 s against ~0.02 s). A measurement
+    reads the ITL of the tokens it saw, not the median of three windows' medians, so stalls that
+    come and go neither restart the search from a quarter of the knee nor pass for gains."""
+
+    class Stalls(KneeModel):
+        def window(self, limit, t, duration=1.0):
+            w = super().window(limit, t, duration)
+            if self.rng.random() < 0.3:
+                slow = 5.0
+                w = dataclasses.replace(
+                    w,
+                    tokens=int(w.tokens * 0.45),
+                    tokens_per_s=w.tokens_per_s * 0.45,
+                    itl=w.itl * slow,
+                    itl_p50=w.itl_p50 * slow,
+                )
+            return w
+
+    lim = adaptive(floor=8)
+    history = drive(lim, Stalls(knee=64, seed=41), 300)
+    assert not any("drifted" in why for _, _, why in lim.history)
+    # Nor do they read as huge gains and losses that walk the limit far past the knee.
+    tail = history[100:]
+    assert 48 <= sum(tail) / len(tail) <= 64 * 1.3 + 1
+
+
 def test_the_climb_stops_at_the_backends_running_cap():
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40, seed=11)
