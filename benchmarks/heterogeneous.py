@@ -72,6 +72,8 @@ def run_front(front: str, args: argparse.Namespace) -> dict[str, Any]:
         cmd = ["--concurrency", levels, "--warmup", str(args.warmup)]
         cmd += ["--duration", str(args.duration), "--drain-timeout", "0"]
         cmd += ["--input-len", "1024", "--output-len", args.output_len, "--seed", "7"]
+        if args.save_records:
+            cmd.append("--save-records")
         t0 = time.monotonic()
         poll = Poller(backends_by_name(fe.url) if not router else (lambda: None), interval=1.0)
         with poll:
@@ -127,6 +129,12 @@ def main() -> int:
         "--fresh-per-level",
         action="store_true",
         help="fresh simulators and front end for every C (limits start over)",
+    )
+    ap.add_argument(
+        "--save-records",
+        action="store_true",
+        help="keep every request's record (with the backend that served it) in the loadtest "
+        "results under the harness's work directory",
     )
     ap.add_argument("--quick", action="store_true", help="short smoke run")
     ap.add_argument("--no-save", action="store_true", help="print only")

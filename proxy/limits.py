@@ -291,7 +291,10 @@ class AdaptiveLimit:
         self._settle_until = 0.0
         self._drifts = 0
         self._stale = 0  # consecutive windows with stale scraped metrics
-        self._last_elasticity = 0.0  # of the last step kept: linear growth means no probe down
+        # Of the last step kept: linear growth means no probe down, and a climb resumed under a
+        # backlog doubles. Before any step is judged growth is presumed linear, as slow start
+        # does: a limit held for lack of demand from the start knows nothing above itself.
+        self._last_elasticity = self.LINEAR
         self._held = 0
         self._since_down = 0  # measurements held since the last scheduled probe
         self._probe_up_next = True
@@ -341,8 +344,11 @@ class AdaptiveLimit:
         if window.stale:
             self._windows.clear()  # saturated as far as we can tell: learn nothing, add nothing
             return
-        if window.pressure >= PRESSURE and (
-            (self._phase == "hold" and self._demand_held) or self._unpressured
+        slow_start = self._phase == "climb" and self._doubling
+        if (
+            window.pressure >= PRESSURE
+            and not slow_start
+            and (self._demand_held or self._unpressured)
         ):
             self._resume_climb(window.end)  # this window is the first measurement of the level
         if not self._demand_bound(window) and self._phase not in ("climb", "probe_up"):

@@ -396,6 +396,23 @@ def test_demand_rising_past_a_held_limit_resumes_the_climb(seed):
     assert sum(tail) / len(tail) <= 64 * 1.3
 
 
+@pytest.mark.parametrize("seed", [61, 62, 63])
+def test_a_limit_held_for_demand_from_the_start_climbs_in_slow_start_under_a_backlog(seed):
+    """8 clients, then 128 (C = 4 -> 32 -> 128 on heterogeneous backends): no step above the
+    start was ever judged, so the held limit knows nothing of the knee and doubles (base steps
+    of 25%, each measured over three windows, took ~36 windows from 9 to 56 while requests
+    waited in the proxy)."""
+    lim = adaptive(floor=1)
+    drive(lim, KneeModel(knee=64, seed=seed, demand=8), 40)
+    assert lim.limit <= 12
+    model = KneeModel(knee=64, seed=seed + 100, demand=128)
+    history = drive(lim, model, 80, t0=40)
+    reached = _windows_to_reach(history, 56)
+    assert reached is not None and reached <= 14
+    tail = history[40:]
+    assert sum(tail) / len(tail) <= 64 * 1.3
+
+
 def test_a_held_knee_with_requests_waiting_probes_up_sooner():
     """A knee found too low (here: the backend got faster) is re-probed promptly while requests
     wait in the proxy, and the limit follows the knee up."""
