@@ -519,21 +519,24 @@ class AdaptiveLimit:
             self._drifts = self._drifts + 1 if drift else 0
             if self._drifts >= DRIFT_MEASUREMENTS:
                 # Same in-flight, slower answers, no more throughput: the backend changed
-                # (slower, restarted, shared with other traffic). Search again from below.
+                # (slower, or shared with other traffic). Step down from here and keep going
+                # down while little is lost, as a probe down does: a knee that moved lower is
+                # followed, one that did not is returned to. (Searching again from a quarter of
+                # the knee starved the backend for ~30 s whenever a burst of prefills read as
+                # drift, and two proxies sharing a backend threw each other down in turn.)
                 self._drifts = 0
-                self._ref = None
-                self._baseline = None
-                self._phase = "climb"
-                self._step = 1.0
-                self._doubling = True
-                # The knee may have moved anywhere below: slow start from a quarter of it.
-                self._last_elasticity = 0.0
+                self._baseline = None  # the next steady measurement held here is the baseline
                 why = (
                     f"latency drifted at the knee (ITL {_ms(base.itl)} -> {_ms(m.itl)} ms, "
-                    f"TTFT {_ms(base.ttft)} -> {_ms(m.ttft)} ms): search"
+                    f"TTFT {_ms(base.ttft)} -> {_ms(m.ttft)} ms)"
                 )
-                self._set(self._clamp(round(m.level / 4)), m.at, why)
-                return
+                nxt = self._down(m.level, self.s.step)
+                if nxt < m.level:
+                    self._ref = m
+                    self._phase = "probe_down"
+                    self._set(nxt, m.at, f"{why}: step down")
+                    return
+                self._log(m.at, f"{why}: at the floor")
         self._ref = m
         if self._baseline is None and self._held >= 1:
             # Not the first measurement after a change: that one may still hold the prefill

@@ -92,6 +92,19 @@ def test_readapts_when_the_backend_becomes_slower():
     assert 0.75 * before <= lim.limit <= 1.3 * before + 1
 
 
+@pytest.mark.parametrize("new_knee", [64, 32])
+def test_drift_steps_down_and_follows_the_knee_without_starving_the_backend(new_knee):
+    """Half as fast per token at a held knee of 64, the knee unchanged or moved to 32: the
+    drifted limit steps down and goes on down only while little is lost, so it returns to 64 or
+    follows to 32 (searching again from a quarter of the knee dropped it to 16 either way)."""
+    lim = adaptive(floor=1)
+    drive(lim, KneeModel(knee=64, seed=9), 80)
+    history = drive(lim, KneeModel(knee=new_knee, rate=12.5, seed=10), 150, t0=80)
+    assert any("drifted" in why for _, _, why in lim.history)
+    assert min(history) >= 0.75 * new_knee
+    assert 0.9 * new_knee <= sum(history[-40:]) / 40 <= 1.25 * new_knee
+
+
 def test_a_limit_held_for_lack_of_demand_does_not_search_again_on_latency():
     """Held at demand (20 clients, knee 64): latency rising there is not a changed backend (the
     baseline is a climb step's), and searching again from a quarter would starve the clients."""
