@@ -245,6 +245,9 @@ async def run_level(
     try:
         await asyncio.wait({everything, stopper}, timeout=timeout, return_when="FIRST_COMPLETED")
     finally:
+        # The window ends no later than the cut: uvloop's timers have millisecond resolution and
+        # may fire just before ``stop_at``, and a request cut here is no failure of the target.
+        t_cut = time.monotonic()
         interrupted = stop.is_set() and not everything.done()
         stopper.cancel()
         if not everything.done():
@@ -265,7 +268,7 @@ async def run_level(
         window = (warm_end, end)
     else:
         assert stop_at is not None
-        window = (warm_end, min(stop_at, t_stop))
+        window = (warm_end, min(stop_at, t_cut))
     if window[1] <= window[0]:
         window = None
     return LevelResult(

@@ -11,6 +11,7 @@ import pytest
 
 from loadtest.client import Target, execute, make_session
 from loadtest.records import RequestRecord
+from loadtest import runner
 from loadtest.runner import LevelPlan, Live, run_level
 from loadtest.workload import LengthDist, RequestSpec, Workload, WorkloadConfig, build_payload
 
@@ -181,6 +182,33 @@ async def test_open_loop_latency_counts_from_the_scheduled_time(fake):
     assert gaps == pytest.approx([0.02] * 5, abs=1e-9)  # an absolute schedule, no drift
     assert all(r.level == 0 and r.t_send >= r.t_scheduled for r in recs)
     assert all(r.ttft == r.t_first - r.t_scheduled for r in recs)
+
+
+async def test_requests_cut_at_the_end_of_a_level_are_outside_its_window(fake, monkeypatch):
+    """uvloop's timers have millisecond resolution: the end-of-level cut may fire just before
+    ``stop_at``. The requests it cancels ended after the window, not inside it as failures."""
+    state, url = fake
+    state.delay = 0.01
+    real_wait = asyncio.wait
+
+    async def early_wait(fs, *, timeout=None, return_when=asyncio.ALL_COMPLETED):
+        early = None if timeout is None else max(timeout - 0.005, 0.0)
+        return await real_wait(fs, timeout=early, return_when=return_when)
+
+    monkeypatch.setattr(runner.asyncio, "wait", early_wait)
+    target = Target(url=url)
+    async with make_session(target, 4) as session:
+        res = await run_level(
+            session,
+            target,
+            _workload(out=1000),
+            LevelPlan(concurrency=2, warmup=0.0, duration=0.2, drain_timeout=0.0),
+            stop=asyncio.Event(),
+        )
+    cut = [r for r in res.records if r.error == "cancelled"]
+    assert len(cut) == 2
+    assert res.window is not None
+    assert all(r.t_end >= res.window[1] for r in cut)
 
 
 async def test_stop_event_ends_a_level_and_keeps_its_records(fake):
