@@ -9,9 +9,9 @@ import sys
 import orjson
 import pytest
 
+from loadtest import runner
 from loadtest.client import Target, execute, make_session
 from loadtest.records import RequestRecord
-from loadtest import runner
 from loadtest.runner import LevelPlan, Live, run_level
 from loadtest.workload import LengthDist, RequestSpec, Workload, WorkloadConfig, build_payload
 
@@ -191,7 +191,7 @@ async def test_requests_cut_at_the_end_of_a_level_are_outside_its_window(fake, m
     state.delay = 0.01
     real_wait = asyncio.wait
 
-    async def early_wait(fs, *, timeout=None, return_when=asyncio.ALL_COMPLETED):
+    async def early_wait(fs, *, timeout=None, return_when=asyncio.ALL_COMPLETED):  # noqa: ASYNC109
         early = None if timeout is None else max(timeout - 0.005, 0.0)
         return await real_wait(fs, timeout=early, return_when=return_when)
 
