@@ -401,9 +401,12 @@ class AdaptiveLimit:
             return  # too little demand to start learning: leave the limit alone
         if m.slack and m.in_flight <= ref.in_flight * 1.02 + 0.5:
             # The extra slots were not used: demand, not the backend, limits here. Hold at the
-            # measured level plus a half step of headroom for demand to grow into.
+            # measured level plus headroom for demand to grow into: half a step, or while growth
+            # was still linear (extra requests cost the others nothing) a grown step, so that a
+            # surge of demand is admitted at once rather than after measured climbs.
             used = math.ceil(m.in_flight)
-            keep = max(ref.level, min(self._limit, used + max(1, round(used * self.s.step / 2))))
+            room = GROWN_STEP if self._last_elasticity >= self.LINEAR else self.s.step / 2
+            keep = max(ref.level, min(self._limit, used + max(1, round(used * room))))
             level = self._limit
             self._hold_at(ref, "", log=False)
             self._demand_held = True

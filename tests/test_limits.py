@@ -111,7 +111,7 @@ def test_a_limit_held_for_lack_of_demand_does_not_search_again_on_latency():
     lim = adaptive(floor=1)
     drive(lim, KneeModel(knee=64, seed=31, demand=20), 60)
     held = lim.limit
-    assert 20 <= held <= 28
+    assert 20 <= held <= 31  # 20 plus headroom: growth was linear up to 20
     drive(lim, KneeModel(knee=64, rate=12.5, seed=32, demand=20), 60, t0=60)
     assert not any("drifted" in why for _, _, why in lim.history)
     assert lim.limit >= 20
@@ -384,9 +384,20 @@ def test_a_climb_that_outruns_demand_settles_just_above_it():
     """64 clients in front of a backend whose knee is higher: hold near 64, not at 128."""
     lim = adaptive(floor=8)
     history = drive(lim, KneeModel(knee=200, seed=18, demand=64), 90)
-    assert 64 <= sorted(history[-30:])[15] <= 80  # (an up-probe may be in progress at the end)
+    # 64 plus headroom (growth was linear up to 64): not 128 (an up-probe may be in progress)
+    assert 64 <= sorted(history[-30:])[15] <= 100
     assert 60 <= lim.knee <= 80
-    assert max(history[-30:]) <= 90
+    assert max(history[-30:]) <= 110
+
+
+@pytest.mark.parametrize("seed", [18, 19])
+def test_a_limit_held_for_demand_below_a_linear_climb_keeps_room_for_a_surge(seed):
+    """Held for demand (20 clients) where growth was still linear, the limit keeps 50% headroom:
+    a surge of demand (C = 32 -> 128 over heterogeneous backends) is admitted at once instead of
+    waiting in the proxy through measured climbs (half a step of headroom: 22-23)."""
+    lim = adaptive(floor=8)
+    drive(lim, KneeModel(knee=200, seed=seed, demand=20), 40)
+    assert 28 <= lim.limit <= 31
 
 
 def _windows_to_reach(history: list[int], level: int) -> int | None:
@@ -399,7 +410,7 @@ def test_demand_rising_past_a_held_limit_resumes_the_climb(seed):
     lim = adaptive(floor=8)
     drive(lim, KneeModel(knee=64, seed=seed, demand=20), 60)
     held = lim.limit
-    assert 20 <= held <= 28  # demand-limited: 20 plus headroom (and perhaps a probe's)
+    assert 20 <= held <= 31  # demand-limited: 20 plus headroom (and perhaps a probe's)
     model = KneeModel(knee=64, seed=seed + 100, demand=128)
     history = drive(lim, model, 80, t0=60)
     reached = _windows_to_reach(history, 56)
@@ -490,4 +501,4 @@ def test_no_climb_without_requests_waiting_in_the_proxy(waiting):
         assert resumed and max(history) >= 4 * held
     else:
         assert not resumed
-        assert max(history) < 1.5 * held and lim.limit <= held + max(1, round(held * 0.125))
+        assert max(history) < 1.5 * held and lim.limit < 1.5 * held
