@@ -55,10 +55,13 @@ class LimitSettings(BaseModel):
     drift_tolerance: float = Field(
         0.3,
         ge=0,
-        description="at the knee, ITL or TTFT this far above the reference while "
-        "throughput did not grow means the backend changed: search again",
+        description="at the knee, ITL or TTFT this far above the reference (three "
+        "measurements in a row) while throughput did not grow means the backend changed: "
+        "step down and follow the knee",
     )
-    measure_windows: int = Field(3, ge=1, description="windows per measured level (median of them)")
+    measure_windows: int = Field(
+        3, ge=1, description="windows per measured level (their median; ITL weighted by tokens)"
+    )
     settle_windows: int = Field(1, ge=0, description="windows ignored after a limit change")
     probe_every: int = Field(6, ge=1, description="measurements held at the knee between probes")
     backoff: float = Field(0.85, gt=0, lt=1, description="multiplicative decrease on congestion")
