@@ -249,7 +249,8 @@ class AdaptiveLimit:
     down judged with nobody waiting, and makes a held knee probe up every
     PRESSURE_PROBE_EVERY measurements instead of every ``probe_every``. A restart resumes at the
     last measured knee (or searches from the start if none was found); ITL/TTFT drifting at the
-    held knee without more throughput starts the search again. Never below
+    held knee without more throughput steps the limit down, and on down while little is lost (a
+    knee that moved lower is followed, one that did not is returned to). Never below
     ``floor``, never above ``max_limit``.
     """
 
