@@ -150,19 +150,21 @@ async def _read_stream(resp: aiohttp.ClientResponse, api: str, rec: RequestRecor
     times, counts = rec.token_times, rec.token_counts
     mono = time.monotonic
     content = resp.content
-    while True:
-        chunk = await content.readany()
-        if not chunk:
-            break
-        t = mono()
-        for payload in framer.feed(chunk):
-            n = counter.observe(payload)
-            if n:
-                times.append(t)
-                counts.append(n)
-    if times:
-        rec.t_first = times[0]
-        rec.t_last = times[-1]
+    try:
+        while True:
+            chunk = await content.readany()
+            if not chunk:
+                break
+            t = mono()
+            for payload in framer.feed(chunk):
+                n = counter.observe(payload)
+                if n:
+                    times.append(t)
+                    counts.append(n)
+    finally:  # also when the stream is cut (cancelled, network error): keep what arrived
+        if times:
+            rec.t_first = times[0]
+            rec.t_last = times[-1]
     rec.completion_tokens = counter.completion_tokens
     rec.prompt_tokens = counter.prompt_tokens
     rec.finish_reason = counter.finish_reason

@@ -209,6 +209,8 @@ async def test_requests_cut_at_the_end_of_a_level_are_outside_its_window(fake, m
     assert len(cut) == 2
     assert res.window is not None
     assert all(r.t_end >= res.window[1] for r in cut)
+    # A cut stream keeps the times of the tokens it received (for --save-records).
+    assert all(r.t_first is not None and r.t_first <= r.t_last <= r.t_end for r in cut)
 
 
 async def test_stop_event_ends_a_level_and_keeps_its_records(fake):
