@@ -208,7 +208,7 @@ STALE_WINDOWS = 3
 PRESSURE = 0.8
 #: measurements at a held knee under pressure between probes up (instead of ``probe_every``)
 PRESSURE_PROBE_EVERY = 2
-#: measurements in a row at the held knee that must read drifted before the search starts again:
+#: measurements in a row at the held knee that must read drifted before the limit steps down:
 #: on pp8 a wave of arrivals stalls the pipeline in prefill for two measurements (~6 s), which
 #: is no change of the backend
 DRIFT_MEASUREMENTS = 3
@@ -348,10 +348,10 @@ class AdaptiveLimit:
         if window.stale:
             self._windows.clear()  # saturated as far as we can tell: learn nothing, add nothing
             return
-        slow_start = self._phase == "climb" and self._doubling
+        doubling = self._phase == "climb" and self._doubling  # already climbing as fast as it can
         if (
             window.pressure >= PRESSURE
-            and not slow_start
+            and not doubling
             and (self._demand_held or self._unpressured)
         ):
             self._resume_climb(window.end)  # this window is the first measurement of the level
