@@ -1,22 +1,28 @@
 """Heterogeneous backends: pp8 + tp8 + ep8 simulators behind each routing policy, C = 4, 32, 128.
 
-    /work/venv/bin/python benchmarks/heterogeneous.py            # ~4 min on 2 cores
-    /work/venv/bin/python benchmarks/heterogeneous.py --quick    # smoke run, ~1.5 min
+    /work/venv/bin/python benchmarks/heterogeneous.py            # ~11 min on 2 cores
+    /work/venv/bin/python benchmarks/heterogeneous.py --repeats 1 --quick  # smoke, ~1.5 min
 
 For each front end in turn — the proxy with policy `latency`, `round_robin`, `least_in_flight`
 (adaptive limits, the pp backend hinted `pp_size = 8`), and sglang-router 0.3.2 with
 `power_of_two` — a fresh `loadtest sim` process serving pp8, tp8 and ep8, the front end, and one
 `loadtest run --concurrency 4,32,128` (closed loop; the levels run in that order against the same
 front end, so the proxy's limits carry over from one level to the next, as in production).
-Printed: aggregate output tok/s and E2E p99 per policy and C, and the margins of `latency` over
-each other policy (tok/s: latency / other - 1; E2E p99: other / latency - 1; positive = latency
-better). Times are modelled seconds (the simulator runs at --time-scale; loadtest reports in
-modelled time). Results: benchmarks/results/heterogeneous.{md,json}.
+The whole comparison is repeated ``--repeats`` times (every front end once per round, so a
+busy stretch of the shared machine hits them alike): at C = 4 a 40 s window holds ~25 requests,
+whose p99 is their maximum, and one run's C = 128 E2E p99 varied 22-51 s on the same code.
+Printed: aggregate output tok/s and E2E p99 per policy and C (the median over the repeats, each
+repeat's value beside it), and the margins of `latency` over each other policy on those medians
+(tok/s: latency / other - 1; E2E p99: other / latency - 1; positive = latency better), with how
+many repeats `latency` won on its own. Times are modelled seconds (the simulator runs at
+--time-scale; loadtest reports in modelled time).
+Results: benchmarks/results/heterogeneous.{md,json}.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import urllib.request
 from typing import Any
@@ -93,8 +99,35 @@ def run_front(front: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"front": front, "rows": rows, "final_backends": final, "queue": queue, "wall_s": wall}
 
 
-def margins(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by = {(r["front"], r["concurrency"]): r for run in runs for r in run["rows"]}
+#: the numbers a repeat contributes to the median row of a (front end, C) pair
+MEDIAN_KEYS = ["output_tok_s", "e2e_p50", "e2e_p99", "ttft_p99", "completed", "failed"]
+
+
+def median_rows(repeats: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (front end, C): the median of each number over the repeats, and every
+    repeat's tok/s and E2E p99 (``per_repeat``)."""
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for runs in repeats:
+        for run in runs:
+            for r in run["rows"]:
+                by.setdefault((r["front"], r["concurrency"]), []).append(r)
+    out = []
+    for (front, c), rows in by.items():
+        med = {
+            k: statistics.median(r[k] for r in rows if r[k] is not None)
+            if any(r[k] is not None for r in rows)
+            else None
+            for k in MEDIAN_KEYS
+        }
+        per = [{"output_tok_s": r["output_tok_s"], "e2e_p99": r["e2e_p99"]} for r in rows]
+        out.append({"front": front, "concurrency": c, **med, "per_repeat": per})
+    return out
+
+
+def margins(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Margins of ``latency`` over every other front end at every C, on the median rows; with
+    ``per_repeat`` rows also in how many repeats ``latency`` was better on both."""
+    by = {(r["front"], r["concurrency"]): r for r in rows}
     out = []
     for c in sorted({k[1] for k in by}):
         lat = by.get(("latency", c))
@@ -107,9 +140,39 @@ def margins(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             tok = lat["output_tok_s"] / o["output_tok_s"] - 1 if o["output_tok_s"] else None
             e2e = o["e2e_p99"] / lat["e2e_p99"] - 1 if lat["e2e_p99"] and o["e2e_p99"] else None
             beats = bool(tok is not None and e2e is not None and tok > 0 and e2e > 0)
+            wins = [
+                a["output_tok_s"] > b["output_tok_s"] and b["e2e_p99"] > a["e2e_p99"]
+                for a, b in zip(lat.get("per_repeat", []), o.get("per_repeat", []), strict=False)
+                if a["e2e_p99"] and b["e2e_p99"]
+            ]
             out.append({"concurrency": c, "vs": front, "tok_s_margin": tok,
-                        "e2e_p99_margin": e2e, "beats": beats})  # fmt: skip
+                        "e2e_p99_margin": e2e, "beats": beats,
+                        "repeats_won": sum(wins), "repeats": len(wins)})  # fmt: skip
     return out
+
+
+def run_round(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every front end once (fresh simulators for each)."""
+    runs = []
+    for front in args.fronts.split(","):
+        if not args.fresh_per_level:
+            print(f"-- {front} ...", flush=True)
+            runs.append(run_front(front, args))
+            continue
+        parts = []
+        for c in args.concurrency:  # fresh simulators and front end for every level
+            print(f"-- {front} C={c} ...", flush=True)
+            parts.append(run_front(front, argparse.Namespace(**{**vars(args), "concurrency": [c]})))
+        runs.append(
+            {
+                "front": front,
+                "rows": [r for p in parts for r in p["rows"]],
+                "final_backends": parts[-1]["final_backends"],
+                "queue": parts[-1]["queue"],
+                "wall_s": sum(p["wall_s"] for p in parts),
+            }
+        )
+    return runs
 
 
 def pct(x: float | None) -> str:
@@ -136,38 +199,24 @@ def main() -> int:
         help="keep every request's record (with the backend that served it) in the loadtest "
         "results under the harness's work directory",
     )
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every front end")
     ap.add_argument("--quick", action="store_true", help="short smoke run")
     ap.add_argument("--no-save", action="store_true", help="print only")
     args = ap.parse_args()
     if args.quick:
         args.warmup, args.duration = 8.0, 12.0
     t0 = time.monotonic()
-    runs = []
+    repeats = []
     try:
-        for front in args.fronts.split(","):
-            if not args.fresh_per_level:
-                print(f"-- {front} ...", flush=True)
-                runs.append(run_front(front, args))
-                continue
-            parts = []
-            for c in args.concurrency:  # fresh simulators and front end for every level
-                print(f"-- {front} C={c} ...", flush=True)
-                parts.append(
-                    run_front(front, argparse.Namespace(**{**vars(args), "concurrency": [c]}))
-                )
-            runs.append(
-                {
-                    "front": front,
-                    "rows": [r for p in parts for r in p["rows"]],
-                    "final_backends": parts[-1]["final_backends"],
-                    "queue": parts[-1]["queue"],
-                    "wall_s": sum(p["wall_s"] for p in parts),
-                }
-            )
+        for i in range(args.repeats):
+            if args.repeats > 1:
+                print(f"== repeat {i + 1} of {args.repeats}", flush=True)
+            repeats.append(run_round(args))
     except KeyboardInterrupt:
         print("interrupted; children stopped")
         return 130
-    ms = margins(runs)
+    rows = median_rows(repeats)
+    ms = margins(rows)
     lines = [
         "## heterogeneous: pp8 + tp8 + ep8 simulators, closed-loop clients at "
         + ", ".join(f"C={c}" for c in args.concurrency),
@@ -185,49 +234,53 @@ def main() -> int:
         )
         + f"Wall time {time.monotonic() - t0:.0f} s, {load_cpu()}.",
         "",
+        f"Medians over {args.repeats} repeat(s); every repeat's tok/s and E2E p99 in the last "
+        "column (in the order run).",
+        "",
         "| C | front end | output tok/s | E2E p50 s | E2E p99 s | TTFT p99 s | completed "
-        "| failed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| failed | per repeat: tok/s @ E2E p99 s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in args.concurrency:
-        for run in runs:
-            for r in run["rows"]:
-                if r["concurrency"] != c:
-                    continue
-                lines.append(
-                    f"| {c} | {r['front']} | {r['output_tok_s']:.0f} | {r['e2e_p50'] or 0:.1f} | "
-                    f"{r['e2e_p99'] or 0:.1f} | {r['ttft_p99'] or 0:.2f} | {r['completed']} | "
-                    f"{r['failed']} |"
-                )
+    for r in sorted(rows, key=lambda r: (r["concurrency"], FRONTS.index(r["front"]))):
+        per = ", ".join(
+            f"{x['output_tok_s']:.0f} @ {x['e2e_p99'] or 0:.1f}" for x in r["per_repeat"]
+        )
+        lines.append(
+            f"| {r['concurrency']} | {r['front']} | {r['output_tok_s']:.0f} | "
+            f"{r['e2e_p50'] or 0:.1f} | {r['e2e_p99'] or 0:.1f} | {r['ttft_p99'] or 0:.2f} | "
+            f"{r['completed']:g} | {r['failed']:g} | {per} |"
+        )
     lines += [
         "",
         "Margins of `latency` (tok/s: latency/other - 1; E2E p99: other/latency - 1; "
         "positive = latency better):",
         "",
-        "| C | vs | tok/s margin | E2E p99 margin | latency better on both |",
-        "|---|---|---|---|---|",
+        "| C | vs | tok/s margin | E2E p99 margin | latency better on both | repeats won |",
+        "|---|---|---|---|---|---|",
     ]
     for m in ms:
         lines.append(
             f"| {m['concurrency']} | {m['vs']} | {pct(m['tok_s_margin'])} | "
-            f"{pct(m['e2e_p99_margin'])} | {'yes' if m['beats'] else 'NO'} |"
+            f"{pct(m['e2e_p99_margin'])} | {'yes' if m['beats'] else 'NO'} | "
+            f"{m['repeats_won']} of {m['repeats']} |"
         )
     met = bool(ms) and all(m["beats"] for m in ms)
     lines += [
         "",
-        "Target (latency beats every other policy on both, at every C): "
+        "Target (latency beats every other policy on both, at every C; on the medians): "
         f"**{'met' if met else 'NOT met'}**.",
         "",
         "Per backend at the end of each run (requests the simulator served over all levels; "
         "the proxy's final limit and knee):",
         "",
     ]
-    for run in runs:
-        fb = ", ".join(
-            f"{n}: " + " ".join(f"{k}={v}" for k, v in d.items())
-            for n, d in run["final_backends"].items()
-        )
-        lines.append(f"- {run['front']}: {fb}")
+    for i, runs in enumerate(repeats, 1):
+        for run in runs:
+            fb = ", ".join(
+                f"{n}: " + " ".join(f"{k}={v}" for k, v in d.items())
+                for n, d in run["final_backends"].items()
+            )
+            lines.append(f"- repeat {i}, {run['front']}: {fb}")
     text = "\n".join(lines)
     print(text)
     if not args.no_save:
@@ -237,7 +290,8 @@ def main() -> int:
             + ("-quick" if args.quick else ""),
             text,
             {"time_scale": args.time_scale, "warmup": args.warmup, "duration": args.duration,
-             "output_len": args.output_len, "runs": runs, "margins": ms, "target_met": met},
+             "output_len": args.output_len, "repeats": repeats, "median_rows": rows,
+             "margins": ms, "target_met": met},
         )  # fmt: skip
     return 0
 
