@@ -34,6 +34,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.limits import window_complete
+
 log = logging.getLogger("proxy.admission")
 
 Priority = Literal["interactive", "batch"]
@@ -421,13 +423,18 @@ class Admission:
         self._note_waiters()
 
     def _note_waiters(self, backends: list[Any] | None = None) -> None:
-        """Tell every backend's stats whether requests wait here: a backend at its limit while
-        they do is under *pressure* (demand above its limit), which its limit reads."""
+        """Tell every backend's stats how many requests wait here: a backend at its limit while
+        they do is under *pressure* (demand above its limit), which its limit reads. Each is
+        told its share of the queue, split by limits, so that a limit climbing under a backlog
+        can size its step to what waits for it (the shares add up to the queue)."""
         depth = self.depth
-        for b in self._backends() if backends is None else backends:
+        backends = self._backends() if backends is None else backends
+        total = sum(b.limit.limit for b in backends if b.routable)
+        for b in backends:
             note = getattr(b.stats, "observe_waiters", None)
             if note is not None:
-                note(depth)
+                share = depth if not total else math.ceil(depth * b.limit.limit / total)
+                note(share)
 
     def _reject(
         self, reason: str, priority: str | None = None, waited: float | None = None
@@ -446,12 +453,7 @@ class Admission:
         """Close every backend's complete observation window and feed it to its limit."""
         for b in backends:
             st = b.stats
-            s = getattr(b.limit, "s", None)
-            window_s = getattr(s, "window_s", 1.0)
-            age = now - st.window_started
-            if age < window_s:
-                continue
-            if s is not None and st.window_tokens() < s.window_tokens and age < s.max_window_s:
+            if not window_complete(b.limit, st, now):
                 continue
             before = b.limit.limit
             reason = getattr(b.limit, "reason", None)

@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.stats import Window, weighted_median
+from proxy.stats import BackendStats, Window, weighted_median
 
 
 class LimitSettings(BaseModel):
@@ -146,6 +146,7 @@ class Measure:
     pressure: float = 0.0  # share of the time at the limit with requests waiting in the proxy
     awaiting: float = 0.0  # fewest of our requests without a token yet in any of the windows
     windows: int = 1  # how many windows were measured
+    backlog: int = 0  # this backend's share of the proxy's queue at the end (Window.backlog)
 
     @staticmethod
     def of(level: int, windows: list[Window], external: float = 0.0) -> Measure:
@@ -194,6 +195,7 @@ class Measure:
             pressure,
             min(w.awaiting for w in windows),
             len(windows),
+            windows[-1].backlog,
         )
 
 
@@ -212,6 +214,8 @@ PRESSURE_PROBE_EVERY = 2
 #: on pp8 a wave of arrivals stalls the pipeline in prefill for two measurements (~6 s), which
 #: is no change of the backend
 DRIFT_MEASUREMENTS = 3
+#: largest factor a slow-start step grows by to take in its share of a backlog
+BACKLOG_JUMP = 4
 #: largest relative step once slow start is over (steps double after linear growth up to it)
 GROWN_STEP = 0.5
 
@@ -334,8 +338,10 @@ class AdaptiveLimit:
         # After a raise the new requests wait for their prefill inside the backend, so its
         # queue says nothing about congestion while climbing or probing up (there, the step's
         # measurement decides, with SGLang's queued requests taken out of the decode rate) nor
-        # within one TTFT of a change.
-        holding = self._phase in ("hold", "probe_down")
+        # within one TTFT of a change. Nor does it below a limit held for lack of demand: when
+        # demand rises into its headroom the backend queues the new requests for their prefill
+        # just as after a raise (and backing off there left a surge waiting for ~15 s).
+        holding = self._phase in ("hold", "probe_down") and not self._demand_held
         congestion = self._congestion(window, queue=holding and window.start >= self._settle_until)
         if congestion and self._settle == 0:
             excess = window.queue_reqs if congestion.startswith("backend queueing") else None
@@ -618,6 +624,11 @@ class AdaptiveLimit:
     def _climb_from(self, m: Measure, why: str, now: float | None = None) -> None:
         now = m.at if now is None else now
         nxt = self._up(m.level, self._step)
+        if self._doubling and m.pressure >= PRESSURE:
+            # Slow start under a backlog: admit this backend's share of what waits at once
+            # (up to BACKLOG_JUMP x the level) rather than doubling once per measurement while
+            # a surge waits out every step; the next measurement judges the level as usual.
+            nxt = max(nxt, min(m.level * BACKLOG_JUMP, m.level + m.backlog))
         until = self.s.slow_start_until
         if self._step > GROWN_STEP and nxt > until:
             # Slow start ends at ``slow_start_until``: a doubling that overshoots under a backlog
@@ -724,6 +735,18 @@ class AdaptiveLimit:
     def _clamp(self, n: int) -> int:
         return max(self.floor, min(self.ceiling, int(n)))
 
+    @property
+    def climbs_on_backlog(self) -> bool:
+        """Would a window under pressure resume the climb (see ``update``)?"""
+        doubling = self._phase == "climb" and self._doubling
+        return not doubling and (self._demand_held or self._unpressured)
+
+    @property
+    def settle_until(self) -> float:
+        """Until when the last change's requests are still in their prefill (see
+        :func:`window_complete`)."""
+        return self._settle_until
+
     def _set(self, new: int, now: float, why: str) -> None:
         if new != self._limit:
             self._settle = self.s.settle_windows
@@ -738,6 +761,37 @@ class AdaptiveLimit:
     def _log(self, now: float, why: str) -> None:
         self.reason = why
         self.history.append((now, self._limit, why))
+
+
+def window_complete(limit: Limit, stats: BackendStats, now: float) -> bool:
+    """Is the backend's open observation window complete (admission then feeds it to the limit)?
+
+    A window lasts ``window_s`` and until it saw ``window_tokens`` (at most ``max_window_s``).
+    Two shortcuts take a surge in sooner:
+
+    - a window open while a change settles (the requests it admitted still in their prefill,
+      ``settle_until``) is ignored by the limit, so it ends as soon as the settling does: the
+      first measured window starts one TTFT after a change instead of one ``window_s``;
+    - for a limit that resumes its climb on a backlog (``climbs_on_backlog``), a window ends
+      when a backlog begins (the window that follows is all backlog) and does not wait for
+      ``window_tokens`` once it was under pressure: right after a surge the new requests are
+      all in their prefill and tokens come slowly, which is when they wait most.
+    """
+    s = getattr(limit, "s", None)
+    started = stats.window_started
+    settle_until = getattr(limit, "settle_until", None)
+    if settle_until is not None and started < settle_until <= now:
+        return True
+    on_backlog = getattr(limit, "climbs_on_backlog", False)
+    backlog_since = stats.backlog_since()
+    if on_backlog and backlog_since is not None and backlog_since > started:
+        return True
+    age = now - started
+    if age < getattr(s, "window_s", 1.0):
+        return False
+    if s is None or stats.window_tokens() >= s.window_tokens or age >= s.max_window_s:
+        return True
+    return on_backlog and stats.window_pressure(now) >= PRESSURE
 
 
 def limit_floor(

@@ -55,6 +55,9 @@ class Window:
     #: time-averaged count of our requests sent upstream that have not produced a token yet:
     #: SGLang's queue and prefill as the proxy sees them, without the gauges' 40-step lag
     awaiting: float = 0.0
+    #: this backend's share of the requests waiting in the proxy's queue when the window closed
+    #: (admission splits the queue by the backends' limits)
+    backlog: int = 0
 
     @property
     def duration(self) -> float:
@@ -229,7 +232,8 @@ class BackendStats:
         # in-flight integration for windows
         self._in_flight = 0
         self._limit = 0
-        self._waiters = 0  # requests waiting in the proxy's queue (admission reports)
+        self._waiters = 0  # our share of the requests waiting in the proxy's queue (admission)
+        self._pressured_since: float | None = None  # at the limit with waiters since (a backlog)
         self._awaiting = 0  # requests sent upstream without a token yet (forwarding reports)
         self._send_seq = 0
         self._recallable: dict[int, Callable[[], bool]] = {}  # unanswered, oldest first
@@ -314,6 +318,7 @@ class BackendStats:
         self._integrate(now)
         self._in_flight = in_flight
         self._limit = limit
+        self._track_backlog(now)
 
     def observe_sent(
         self, now: float | None = None, recall: Callable[[], bool] | None = None
@@ -361,14 +366,28 @@ class BackendStats:
         return done
 
     def observe_waiters(self, waiters: int, now: float | None = None) -> None:
-        """The number of requests waiting in the proxy's queue changed (admission reports it to
-        every backend): time at the limit with waiters is the window's ``pressure``."""
+        """This backend's share of the requests waiting in the proxy's queue changed (admission
+        reports it): time at the limit with waiters is the window's ``pressure``, the share at
+        its end the window's ``backlog``."""
         if (waiters > 0) == (self._waiters > 0):
             self._waiters = waiters
             return
         now = self._clock() if now is None else now
         self._integrate(now)
         self._waiters = waiters
+        self._track_backlog(now)
+
+    def _track_backlog(self, now: float) -> None:
+        # A backlog starts when requests wait while this backend is at its limit and lasts
+        # while any wait (a slot freed is refilled from the queue in the same step).
+        if self._waiters <= 0:
+            self._pressured_since = None
+        elif self._pressured_since is None and 0 < self._limit <= self._in_flight:
+            self._pressured_since = now
+
+    def backlog_since(self) -> float | None:
+        """When the current backlog began (requests waiting while at the limit), or None."""
+        return self._pressured_since
 
     def observe_scrape(
         self,
@@ -480,6 +499,12 @@ class BackendStats:
     def window_tokens(self) -> int:
         return self._win.tokens
 
+    def window_pressure(self, now: float | None = None) -> float:
+        """The open window's ``pressure`` so far."""
+        now = self._clock() if now is None else now
+        self._integrate(now)
+        return self._win.pressure_time / max(now - self._win.start, 1e-9)
+
     def take_window(self, now: float | None = None) -> Window:
         """Close the current window and return it; a new one starts at ``now``."""
         now = self._clock() if now is None else now
@@ -503,6 +528,7 @@ class BackendStats:
             at_limit=w.at_limit_time / span,
             pressure=w.pressure_time / span,
             awaiting=w.awaiting_area / span,
+            backlog=self._waiters,
             tokens=w.tokens,
             tokens_per_s=tps,
             itl=(w.itl_sum / w.itl_tokens) if w.itl_tokens else None,

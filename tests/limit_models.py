@@ -55,6 +55,7 @@ class KneeModel:
             at_limit=1.0 if c >= limit else 0.0,
             # requests wait in the proxy when there are more clients than the limit
             pressure=1.0 if self.demand is None or self.demand > limit else 0.0,
+            backlog=0 if self.demand is None else max(0, self.demand - limit),
             tokens=int(tps * duration),
             tokens_per_s=tps,
             itl=itl,

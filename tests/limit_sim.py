@@ -22,6 +22,7 @@ from typing import Any
 
 from loadtest.sim.profiles import Profile, load_profile
 from loadtest.sim.scheduler import Finish, GenRequest, Req, Scheduler
+from proxy.limits import window_complete
 from proxy.stats import BackendStats
 
 
@@ -191,14 +192,8 @@ def closed_loop_through_proxy(
             next_scrape = t + (scrape_interval_s or float("inf"))
         if next_tick <= t:
             for i, b in enumerate(backends):
-                s = getattr(b.limit, "s", None)
-                window_s = getattr(s, "window_s", 1.0)
-                age = t - b.stats.window_started
-                if age < window_s:
+                if not window_complete(b.limit, b.stats, t):
                     continue
-                if s is not None and b.stats.window_tokens() < s.window_tokens:
-                    if age < s.max_window_s:
-                        continue
                 w = b.stats.take_window(t)
                 b.limit.update(w)
                 b.stats.observe_in_flight(b.in_flight, b.limit.limit, t)

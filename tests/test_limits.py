@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 
@@ -502,3 +503,33 @@ def test_no_climb_without_requests_waiting_in_the_proxy(waiting):
     else:
         assert not resumed
         assert max(history) < 1.5 * held and lim.limit < 1.5 * held
+
+
+@pytest.mark.parametrize("seed", [64, 65])
+def test_slow_start_under_a_backlog_takes_in_what_waits_at_once(seed):
+    """A surge (8 clients -> 128): the first step takes in this backend's share of the queue, up
+    to 4x, instead of doubling once per measurement while the surge waits; a backlog of a few
+    requests still doubles."""
+    lim = adaptive(floor=1)
+    drive(lim, KneeModel(knee=64, seed=seed, demand=8), 40)
+    held = lim.limit
+    assert held <= 12
+    surge = copy.deepcopy(lim)
+    drive(surge, KneeModel(knee=64, seed=seed, demand=128), 1, t0=40)
+    assert surge.limit == min(4 * held, 64)
+    drive(lim, KneeModel(knee=64, seed=seed, demand=held + 2), 1, t0=40)
+    assert lim.limit == 2 * held
+
+
+def test_a_limit_held_for_lack_of_demand_does_not_back_off_on_the_prefill_of_a_surge():
+    """Demand rising into a demand-held limit's headroom lands in SGLang's queue for prefill,
+    as after a raise: that is no congestion (backing off there left a surge waiting ~15 s)."""
+    lim = adaptive(floor=1)
+    drive(lim, KneeModel(knee=64, seed=66, demand=20), 40)
+    held = lim.limit
+    assert held > 20
+    model = KneeModel(knee=64, seed=67, demand=held)
+    w = dataclasses.replace(model.window(held, 40.0), queue_reqs=6.0, ttft=1.0)
+    lim.update(w)
+    assert lim.limit >= held
+    assert "back off" not in lim.reason
