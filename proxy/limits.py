@@ -214,6 +214,8 @@ PRESSURE_PROBE_EVERY = 2
 #: on pp8 a wave of arrivals stalls the pipeline in prefill for two measurements (~6 s), which
 #: is no change of the backend
 DRIFT_MEASUREMENTS = 3
+#: a change has settled once at most this share of the limit still waits for a first token
+SETTLED_AWAITING = 0.1
 #: largest factor a slow-start step grows by to take in its share of a backlog
 BACKLOG_JUMP = 4
 #: largest relative step once slow start is over (steps double after linear growth up to it)
@@ -338,10 +340,12 @@ class AdaptiveLimit:
         # After a raise the new requests wait for their prefill inside the backend, so its
         # queue says nothing about congestion while climbing or probing up (there, the step's
         # measurement decides, with SGLang's queued requests taken out of the decode rate) nor
-        # within one TTFT of a change. Nor does it below a limit held for lack of demand: when
-        # demand rises into its headroom the backend queues the new requests for their prefill
-        # just as after a raise (and backing off there left a surge waiting for ~15 s).
-        holding = self._phase in ("hold", "probe_down") and not self._demand_held
+        # within one TTFT of a change. Nor does it while a surge fills a limit held for lack
+        # of demand (requests wait in the proxy): the backend queues the new requests for their
+        # prefill just as after a raise (backing off there left a surge waiting for ~15 s), and
+        # the climb the backlog resumes measures the level.
+        surge = self._demand_held and window.pressure > 0
+        holding = self._phase in ("hold", "probe_down") and not surge
         congestion = self._congestion(window, queue=holding and window.start >= self._settle_until)
         if congestion and self._settle == 0:
             excess = window.queue_reqs if congestion.startswith("backend queueing") else None
@@ -767,11 +771,12 @@ def window_complete(limit: Limit, stats: BackendStats, now: float) -> bool:
     """Is the backend's open observation window complete (admission then feeds it to the limit)?
 
     A window lasts ``window_s`` and until it saw ``window_tokens`` (at most ``max_window_s``).
-    Two shortcuts take a surge in sooner:
+    A window open while a change settles is ignored by the limit (``settle_until``: one TTFT
+    after the change): it ends as soon as the requests the change admitted have had their
+    prefill, i.e. once few of ours still wait for a first token (``SETTLED_AWAITING``), which
+    is one TTFT after a small step and a whole prefill wave after a big one (a step measured
+    inside the wave reads as no gain). Then, to take a surge in sooner:
 
-    - a window open while a change settles (the requests it admitted still in their prefill,
-      ``settle_until``) is ignored by the limit, so it ends as soon as the settling does: the
-      first measured window starts one TTFT after a change instead of one ``window_s``;
     - for a limit that resumes its climb on a backlog (``climbs_on_backlog``), a window ends
       when a backlog begins (the window that follows is all backlog) and does not wait for
       ``window_tokens`` once it was under pressure: right after a surge the new requests are
@@ -779,14 +784,17 @@ def window_complete(limit: Limit, stats: BackendStats, now: float) -> bool:
     """
     s = getattr(limit, "s", None)
     started = stats.window_started
+    age = now - started
     settle_until = getattr(limit, "settle_until", None)
-    if settle_until is not None and started < settle_until <= now:
-        return True
+    if settle_until is not None and started < settle_until:
+        if s is not None and age >= s.max_window_s:
+            return True
+        settled = stats.awaiting <= max(2.0, SETTLED_AWAITING * limit.limit)
+        return now >= settle_until and settled
     on_backlog = getattr(limit, "climbs_on_backlog", False)
     backlog_since = stats.backlog_since()
     if on_backlog and backlog_since is not None and backlog_since > started:
         return True
-    age = now - started
     if age < getattr(s, "window_s", 1.0):
         return False
     if s is None or stats.window_tokens() >= s.window_tokens or age >= s.max_window_s:

@@ -375,14 +375,22 @@ def _stub_limit(*, settle_until: float = 0.0, climbs_on_backlog: bool = False):
 
 
 def test_a_window_open_while_a_change_settles_ends_with_the_settling():
+    """The window a change's requests spend in their prefill (ignored by the limit) ends once
+    their first tokens came, not window_s later; a prefill wave keeps it open (up to
+    max_window_s) so that the step is not measured inside it."""
     clock = FakeClock()
     stats = BackendStats(clock=clock)
     lim = _stub_limit(settle_until=clock.t + 0.3)
     assert not window_complete(lim, stats, clock.t + 0.2)
-    assert window_complete(lim, stats, clock.t + 0.3)  # not window_s later
-    stats.take_window(clock.t + 0.3)
+    assert window_complete(lim, stats, clock.t + 0.3)
+    keys = [stats.observe_sent() for _ in range(3)]  # three of ours still without a token
+    assert not window_complete(lim, stats, clock.t + 1.0)
+    assert window_complete(lim, stats, clock.t + 5.0)  # max_window_s
+    stats.observe_answered(key=keys[0])
+    assert window_complete(lim, stats, clock.t + 1.0)
+    stats.take_window(clock.t + 1.0)
     # the window after it is a full one
-    assert not window_complete(lim, stats, clock.t + 0.9)
+    assert not window_complete(lim, stats, clock.t + 1.9)
 
 
 def test_a_backlog_starts_a_window_and_ends_it_without_waiting_for_tokens():

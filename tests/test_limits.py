@@ -522,14 +522,17 @@ def test_slow_start_under_a_backlog_takes_in_what_waits_at_once(seed):
 
 
 def test_a_limit_held_for_lack_of_demand_does_not_back_off_on_the_prefill_of_a_surge():
-    """Demand rising into a demand-held limit's headroom lands in SGLang's queue for prefill,
-    as after a raise: that is no congestion (backing off there left a surge waiting ~15 s)."""
+    """A surge filling a demand-held limit (requests wait in the proxy) lands in SGLang's queue
+    for prefill, as after a raise: no congestion (backing off there left a surge waiting ~15 s).
+    Without a backlog the same queue below the same limit is congestion: it backs off."""
     lim = adaptive(floor=1)
     drive(lim, KneeModel(knee=64, seed=66, demand=20), 40)
     held = lim.limit
     assert held > 20
-    model = KneeModel(knee=64, seed=67, demand=held)
-    w = dataclasses.replace(model.window(held, 40.0), queue_reqs=6.0, ttft=1.0)
-    lim.update(w)
-    assert lim.limit >= held
-    assert "back off" not in lim.reason
+    quiet = copy.deepcopy(lim)
+    surge = KneeModel(knee=64, seed=67, demand=held + 10)
+    lim.update(dataclasses.replace(surge.window(held, 40.0), queue_reqs=6.0, ttft=1.0))
+    assert lim.limit >= held and "back off" not in lim.reason
+    steady = KneeModel(knee=64, seed=67, demand=held)
+    quiet.update(dataclasses.replace(steady.window(held, 40.0), queue_reqs=6.0, ttft=1.0))
+    assert quiet.limit < held and "back off" in quiet.reason
