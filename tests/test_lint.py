@@ -10,11 +10,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_ruff_is_clean():
+def _ruff(*args: str) -> subprocess.CompletedProcess:
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     if not Path(ruff).exists():
         pytest.skip("ruff not installed")
-    result = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True)
+    return subprocess.run([ruff, *args, str(ROOT)], capture_output=True, text=True)
+
+
+def test_ruff_is_clean():
+    result = _ruff("check")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_is_clean():
+    """Python files and the Python blocks in the docs are as `ruff format` writes them."""
+    result = _ruff("format", "--check")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
