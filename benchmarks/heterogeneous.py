@@ -64,10 +64,12 @@ def sim_served(urls: list[str]) -> dict[str, float]:
     return out
 
 
-def run_front(front: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_front(front: str, args: argparse.Namespace, tag: str = "") -> dict[str, Any]:
+    """One front end against fresh simulators; ``tag`` names its work directory apart from
+    other repeats' (/tmp/pipefill-bench-heterogeneous-<front><tag>-<pid>)."""
     ts = args.time_scale
     router = front.startswith("router:")
-    with Harness(f"heterogeneous-{front.replace(':', '-')}", time_scale=ts) as h:
+    with Harness(f"heterogeneous-{front.replace(':', '-')}{tag}", time_scale=ts) as h:
         sim = h.sim(PROFILES)
         if router:
             fe = h.router(sim.urls, front.split(":", 1)[1])
@@ -151,18 +153,19 @@ def margins(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def run_round(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_round(args: argparse.Namespace, repeat: int = 1) -> list[dict[str, Any]]:
     """Every front end once (fresh simulators for each)."""
     runs = []
     for front in args.fronts.split(","):
         if not args.fresh_per_level:
             print(f"-- {front} ...", flush=True)
-            runs.append(run_front(front, args))
+            runs.append(run_front(front, args, f"-r{repeat}"))
             continue
         parts = []
         for c in args.concurrency:  # fresh simulators and front end for every level
             print(f"-- {front} C={c} ...", flush=True)
-            parts.append(run_front(front, argparse.Namespace(**{**vars(args), "concurrency": [c]})))
+            level = argparse.Namespace(**{**vars(args), "concurrency": [c]})
+            parts.append(run_front(front, level, f"-r{repeat}-c{c}"))
         runs.append(
             {
                 "front": front,
@@ -197,7 +200,7 @@ def main() -> int:
         "--save-records",
         action="store_true",
         help="keep every request's record (with the backend that served it) in the loadtest "
-        "results under the harness's work directory",
+        "results under the harness's work directory (one per front end and repeat)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every front end")
     ap.add_argument("--quick", action="store_true", help="short smoke run")
@@ -211,7 +214,7 @@ def main() -> int:
         for i in range(args.repeats):
             if args.repeats > 1:
                 print(f"== repeat {i + 1} of {args.repeats}", flush=True)
-            repeats.append(run_round(args))
+            repeats.append(run_round(args, i + 1))
     except KeyboardInterrupt:
         print("interrupted; children stopped")
         return 130

@@ -39,9 +39,9 @@ from harness import (
 PROFILES = ["pp8", "tp8"]
 
 
-def run_phase(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
+def run_phase(args: argparse.Namespace, replicas: int, repeat: int = 1) -> dict[str, Any]:
     ts = args.time_scale
-    with Harness(f"replicas-{replicas}", time_scale=ts) as h:
+    with Harness(f"replicas-{replicas}-r{repeat}", time_scale=ts) as h:
         sim = h.sim(PROFILES)
         cfg = lambda: proxy_toml(backend_entries(sim.urls, PROFILES), time_scale=ts)  # noqa: E731
         proxies = [h.proxy(cfg(), name=f"proxy{i}") for i in range(replicas)]
@@ -139,7 +139,7 @@ def main() -> int:
     try:
         for i in range(args.repeats):
             print(f"== repeat {i + 1} of {args.repeats}", flush=True)
-            pairs.append((run_phase(args, 1), run_phase(args, 2)))
+            pairs.append((run_phase(args, 1, i + 1), run_phase(args, 2, i + 1)))
     except KeyboardInterrupt:
         print("interrupted; children stopped")
         return 130
