@@ -16,6 +16,7 @@ goes on. Everything here is the standard library plus the repository's own conso
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -42,6 +43,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts such as --repeats: a clear error instead of a traceback later."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return n
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:

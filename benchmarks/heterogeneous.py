@@ -35,6 +35,7 @@ from harness import (
     get_json,
     level_row,
     load_cpu,
+    positive_int,
     proxy_toml,
     write_results,
 )
@@ -202,7 +203,7 @@ def main() -> int:
         help="keep every request's record (with the backend that served it) in the loadtest "
         "results under the harness's work directory (one per front end and repeat)",
     )
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of every front end")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="rounds of every front end")
     ap.add_argument("--quick", action="store_true", help="short smoke run")
     ap.add_argument("--no-save", action="store_true", help="print only")
     args = ap.parse_args()

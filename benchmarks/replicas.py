@@ -31,6 +31,7 @@ from harness import (
     get_json,
     level_row,
     load_cpu,
+    positive_int,
     proxy_toml,
     window_wall,
     write_results,
@@ -128,7 +129,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=90.0, help="modelled s")
     ap.add_argument("--duration", type=float, default=40.0, help="modelled s")
     ap.add_argument("--output-len", default="uniform:64-256")
-    ap.add_argument("--repeats", type=int, default=3, help="pairs of phases")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="pairs of phases")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
@@ -176,13 +177,14 @@ def main() -> int:
         "",
         "Median ratio two/one over the repeats: "
         + ", ".join(f"{prof} **{m:.2f}**" for prof, m in medians.items())
-        + "; repeats within 20%: "
+        + f"; repeats within {TOLERANCE:.0%}: "
         + ", ".join(
             f"{prof} {sum(abs(r - 1) <= TOLERANCE for r in rs)} of {len(rs)}"
             for prof, rs in ratios.items()
         )
         + ".",
-        f"Target (median combined in flight within 20% of one proxy's, every backend): "
+        f"Target (median combined in flight within {TOLERANCE:.0%} of one proxy's, every "
+        "backend): "
         f"**{'met' if ok else 'NOT met'}**.",
         "",
         "Combined in flight over time in the last repeat (modelled s from the start, every ~5 s):",
