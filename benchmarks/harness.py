@@ -342,7 +342,7 @@ def proxy_toml(
 ) -> str:
     """Proxy configuration TOML for `backends` ({name, url, parallelism, pp_size, ...}).
 
-    Durations that pace the proxy (observation windows, the limits' congestion memory, scrape
+    Durations that pace the proxy (observation windows, the limits' probe interval, scrape
     and health intervals, ejection, retry backoff) are scaled by `time_scale`, so that they stay
     one modelled second (etc.) against a simulator running at that scale. `sections` (server=,
     queue=, limits=, health=, timeouts=, retries=, scrape=, ...) override or add keys, given in
@@ -353,7 +353,7 @@ def proxy_toml(
                    "log_level": "warning"},
         "routing": {"policy": policy},
         "limits": {"window_s": 1.0 * ts, "max_window_s": 5.0 * ts,
-                   "congestion_memory_s": LimitSettings().congestion_memory_s * ts},
+                   "probe_every_s": LimitSettings().probe_every_s * ts},
         "scrape": {"interval_s": max(1.0 * ts, 0.05)},
         "health": {"interval_s": max(1.0 * ts, 0.05), "timeout_s": max(1.0 * ts, 0.2),
                    "eject_s": max(2.0 * ts, 0.1)},

@@ -44,7 +44,7 @@ PLOT_FILE = "demo.png"
 SCALED_PROXY_SETTINGS = (
     ("limits", "window_s"),
     ("limits", "max_window_s"),
-    ("limits", "congestion_memory_s"),
+    ("limits", "probe_every_s"),
     ("scrape", "interval_s"),
     ("health", "interval_s"),
     ("queue", "control_interval_s"),

@@ -13,9 +13,8 @@ their class (``interactive`` before ``batch``), bounded in number and in time:
 
 Every rejection is counted by reason. ``lease.release()`` is idempotent; it frees the slot and
 hands it to the next waiter. ``admission.wake()`` re-runs dispatch after backends, health or
-limits changed. Admission is also where limits are fed: whenever a backend's observation window
-is complete, it is closed (:meth:`proxy.stats.BackendStats.take_window`) and given to
-``backend.limit.update``; a background task (``start()``) does the same when traffic is idle.
+limits changed. After every release, and from a background task (``start()``) when traffic is
+idle, admission runs the limits' control loop (proxy/control.py) before it hands slots out.
 
 Backends are duck-typed: ``name``, ``routable``, ``in_flight`` (int, written here), ``limit``
 (proxy/limits), ``stats`` (proxy/stats.BackendStats), ``weight``.
@@ -34,7 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.limits import window_complete
+from proxy.control import LimitControl
 
 log = logging.getLogger("proxy.admission")
 
@@ -152,6 +151,7 @@ class Admission:
         self.probe_in_flight = probe_in_flight
         self.control_interval_s = control_interval_s
         self._clock = clock
+        self.control = LimitControl()
         self._queues: dict[Priority, dict[int, _Waiter]] = {p: {} for p in PRIORITIES}
         self._seq = 0
         self._task: asyncio.Task | None = None
@@ -205,7 +205,7 @@ class Admission:
         exclude = frozenset(exclude)
         now = self._clock()
         backends = self._backends()
-        self._maybe_update(backends, now)
+        self.control.tick(backends, now)
         if not any(self._usable(b, exclude) for b in backends):
             self._reject("no_healthy_backend")
             raise NoHealthyBackend()
@@ -276,7 +276,7 @@ class Admission:
             try:
                 backends = self._backends()
                 now = self._clock()
-                self._maybe_update(backends, now)
+                self.control.tick(backends, now)
                 self._dispatch(backends, now)
             except Exception:  # never let the control loop die; the next tick retries
                 continue
@@ -375,7 +375,7 @@ class Admission:
         b.stats.observe_in_flight(b.in_flight, b.limit.limit)
         backends = self._backends()
         now = self._clock()
-        self._maybe_update(backends, now)
+        self.control.tick(backends, now)
         self._dispatch(backends, now)
 
     def _dispatch(self, backends: list[Any], now: float) -> None:
@@ -448,32 +448,6 @@ class Admission:
         self._recent_waits[priority].append(waited)
         if self.on_wait is not None:
             self.on_wait(priority, waited, outcome)
-
-    def _maybe_update(self, backends: list[Any], now: float) -> None:
-        """Close every backend's complete observation window and feed it to its limit."""
-        for b in backends:
-            st = b.stats
-            if not window_complete(b.limit, st, now):
-                continue
-            before = b.limit.limit
-            reason = getattr(b.limit, "reason", None)
-            w = st.take_window(now)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("backend %s window %s", b.name, w)
-            try:
-                b.limit.update(w)
-            except Exception:  # a limit's bug must not fail requests: keep the old limit
-                log.exception("limit update failed for backend %s", b.name)
-            after = b.limit.limit
-            if log.isEnabledFor(logging.DEBUG) and getattr(b.limit, "reason", None) != reason:
-                log.debug("backend %s limit %d -> %d: %s", b.name, before, after, b.limit.reason)
-            if after != before:
-                st.observe_in_flight(b.in_flight, after, now)
-            excess = b.in_flight - st.recalling - after
-            if after < before and excess > 0:
-                # The limit fell below what is in flight: take back what the backend has not
-                # started answering (newest first) and let whichever backend frees first have it.
-                st.recall_unanswered(excess)
 
 
 def _pct(sorted_xs: list[float], q: float) -> float | None:

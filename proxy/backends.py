@@ -111,9 +111,7 @@ class Backend:
             "last_check_error": self.last_check_error,
             "models": [m.get("id") for m in self.models],
         }
-        describe_limit = getattr(self.limit, "describe", None)
-        if callable(describe_limit):
-            out["limit_state"] = describe_limit()
+        out["limit_state"] = self.limit.snapshot()
         snapshot = getattr(self.stats, "snapshot", None)
         if callable(snapshot):
             out["stats"] = snapshot()

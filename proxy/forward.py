@@ -572,7 +572,9 @@ class _Pending:
         self._task = asyncio.current_task() if streamed else None
         self.recallable = False
         self.recalled = False
-        self._key = stats.observe_sent(t_send, self._recall if streamed else None)
+        self._key = stats.observe_sent(
+            t_send, self._recall if streamed else None, streamed=streamed
+        )
 
     def _recall(self) -> bool:
         if not self.recallable or self._task is None or self._task.done():

@@ -58,6 +58,12 @@ class Window:
     #: this backend's share of the requests waiting in the proxy's queue when the window closed
     #: (admission splits the queue by the backends' limits)
     backlog: int = 0
+    #: the fewest of our streamed requests without a token yet at any moment of the window:
+    #: prefill makes a request wait a moment, only a queue keeps some waiting all window long
+    awaiting_min: float = 0.0
+    #: time-averaged count of our requests whose first token the proxy cannot see
+    #: (non-streamed: their answer arrives whole), left out of ``awaiting``
+    opaque: float = 0.0
 
     @property
     def duration(self) -> float:
@@ -187,6 +193,8 @@ class _WindowAcc:
     at_limit_time: float = 0.0
     pressure_time: float = 0.0
     awaiting_area: float = 0.0
+    awaiting_min: int = 0
+    opaque_area: float = 0.0
 
 
 class BackendStats:
@@ -233,8 +241,9 @@ class BackendStats:
         self._in_flight = 0
         self._limit = 0
         self._waiters = 0  # our share of the requests waiting in the proxy's queue (admission)
-        self._pressured_since: float | None = None  # at the limit with waiters since (a backlog)
-        self._awaiting = 0  # requests sent upstream without a token yet (forwarding reports)
+        self._awaiting = 0  # streamed requests sent upstream without a token yet
+        self._opaque = 0  # non-streamed requests upstream (no first token to see)
+        self._opaque_keys: set[int] = set()
         self._send_seq = 0
         self._recallable: dict[int, Callable[[], bool]] = {}  # unanswered, oldest first
         self._recalled: set[int] = set()
@@ -318,17 +327,26 @@ class BackendStats:
         self._integrate(now)
         self._in_flight = in_flight
         self._limit = limit
-        self._track_backlog(now)
 
     def observe_sent(
-        self, now: float | None = None, recall: Callable[[], bool] | None = None
+        self,
+        now: float | None = None,
+        recall: Callable[[], bool] | None = None,
+        *,
+        streamed: bool = True,
     ) -> int:
         """A request went upstream: it awaits its first token until ``observe_answered(key)``
         with the key returned here. ``recall`` (optional) takes it back from the backend
-        before it answers (see ``recall_unanswered``); it returns whether it could."""
+        before it answers (see ``recall_unanswered``); it returns whether it could. A
+        non-streamed request (``streamed=False``) has no first token to see: it is counted
+        apart (``Window.opaque``), not as awaiting."""
         self._integrate(self._clock() if now is None else now)
-        self._awaiting += 1
         self._send_seq += 1
+        if streamed:
+            self._awaiting += 1
+        else:
+            self._opaque += 1
+            self._opaque_keys.add(self._send_seq)
         if recall is not None:
             self._recallable[self._send_seq] = recall
         return self._send_seq
@@ -336,7 +354,12 @@ class BackendStats:
     def observe_answered(self, now: float | None = None, key: int | None = None) -> None:
         """A request sent upstream produced its first token, or ended without one."""
         self._integrate(self._clock() if now is None else now)
-        self._awaiting = max(0, self._awaiting - 1)
+        if key is not None and key in self._opaque_keys:
+            self._opaque_keys.discard(key)
+            self._opaque = max(0, self._opaque - 1)
+        else:
+            self._awaiting = max(0, self._awaiting - 1)
+            self._win.awaiting_min = min(self._win.awaiting_min, self._awaiting)
         if key is not None:
             self._recallable.pop(key, None)
             self._recalled.discard(key)
@@ -372,22 +395,8 @@ class BackendStats:
         if (waiters > 0) == (self._waiters > 0):
             self._waiters = waiters
             return
-        now = self._clock() if now is None else now
-        self._integrate(now)
+        self._integrate(self._clock() if now is None else now)
         self._waiters = waiters
-        self._track_backlog(now)
-
-    def _track_backlog(self, now: float) -> None:
-        # A backlog starts when requests wait while this backend is at its limit and lasts
-        # while any wait (a slot freed is refilled from the queue in the same step).
-        if self._waiters <= 0:
-            self._pressured_since = None
-        elif self._pressured_since is None and 0 < self._limit <= self._in_flight:
-            self._pressured_since = now
-
-    def backlog_since(self) -> float | None:
-        """When the current backlog began (requests waiting while at the limit), or None."""
-        return self._pressured_since
 
     def observe_scrape(
         self,
@@ -499,12 +508,6 @@ class BackendStats:
     def window_tokens(self) -> int:
         return self._win.tokens
 
-    def window_pressure(self, now: float | None = None) -> float:
-        """The open window's ``pressure`` so far."""
-        now = self._clock() if now is None else now
-        self._integrate(now)
-        return self._win.pressure_time / max(now - self._win.start, 1e-9)
-
     def take_window(self, now: float | None = None) -> Window:
         """Close the current window and return it; a new one starts at ``now``."""
         now = self._clock() if now is None else now
@@ -528,6 +531,8 @@ class BackendStats:
             at_limit=w.at_limit_time / span,
             pressure=w.pressure_time / span,
             awaiting=w.awaiting_area / span,
+            awaiting_min=float(w.awaiting_min),
+            opaque=w.opaque_area / span,
             backlog=self._waiters,
             tokens=w.tokens,
             tokens_per_s=tps,
@@ -544,7 +549,7 @@ class BackendStats:
             itl_p50=weighted_median(w.itls),
         )
         self._restart_pending = False
-        self._win = _WindowAcc(start=now)
+        self._win = _WindowAcc(start=now, awaiting_min=self._awaiting)
         return out
 
     def snapshot(self) -> dict:
@@ -581,6 +586,7 @@ class BackendStats:
         if dt > 0:
             self._win.in_flight_area += self._in_flight * dt
             self._win.awaiting_area += self._awaiting * dt
+            self._win.opaque_area += self._opaque * dt
             if self._limit > 0 and self._in_flight >= self._limit:
                 self._win.at_limit_time += dt
                 if self._waiters > 0:

@@ -6,8 +6,10 @@
 :class:`proxy.stats.BackendStats` objects on the virtual clock exactly as the proxy's
 forwarding would make them (TTFT from sending upstream, ITL per event, tokens, completions, the
 in-flight count), plus a scrape of each engine's logged gauges every ``scrape_interval_s``;
-windows are closed by the same rule as proxy/admission.py. ``output_len`` may be a (lo, hi)
-range so that closed-loop clients do not finish in lockstep.
+windows are cut and fed to the limits by the proxy's own control loop (proxy/control.py), and a
+limit that falls below what is in flight recalls requests without a first token, as the proxy
+does. ``output_len`` may be a (lo, hi) range so that closed-loop clients do not finish in
+lockstep.
 
 Used by tests/test_limits_sim.py and benchmarks/limit_trace.py (the traces in
 docs/limits-and-routing.md).
@@ -22,7 +24,7 @@ from typing import Any
 
 from loadtest.sim.profiles import Profile, load_profile
 from loadtest.sim.scheduler import Finish, GenRequest, Req, Scheduler
-from proxy.limits import window_complete
+from proxy.control import LimitControl
 from proxy.stats import BackendStats
 
 
@@ -36,6 +38,8 @@ class SimRun:
     ttfts: list[tuple[float, float]] = field(default_factory=list)  # (t_first, client TTFT)
     e2es: list[tuple[float, float]] = field(default_factory=list)  # (t_done, client E2E)
     completed: int = 0
+    sent: int = 0
+    recalled: int = 0
     served: dict[str, int] = field(default_factory=dict)
 
     def throughput(self, t0: float, t1: float) -> float:
@@ -123,9 +127,24 @@ def closed_loop_through_proxy(
             sent[rid] = (arrive, now)
             b.in_flight += 1
             b.stats.observe_in_flight(b.in_flight, b.limit.limit, now)
-            b.stats.observe_sent(now)
+            keys[rid] = b.stats.observe_sent(now, recall=make_recall(b, rid))
+            run.sent += 1
             n_out = output_len if isinstance(output_len, int) else rng.randint(*output_len)
             b.sched.submit(GenRequest(rid, input_len, n_out, ignore_eos=True), now)
+
+    recalled: set[str] = set()
+    keys: dict[str, int] = {}  # rid -> its key in the backend's stats (until answered)
+
+    def make_recall(b: SimBackend, rid: str):
+        def recall() -> bool:
+            # As the proxy's forwarding does: a request without a first token is taken back
+            # (SGLang aborts it) and waits in the proxy's queue again, keeping its arrival time.
+            if rid in last_tok or rid not in sent:
+                return False
+            recalled.add(rid)
+            return b.sched.abort(rid)
+
+        return recall
 
     def make_emit(b: SimBackend):
         def emit(req: Req, ids: list[int], finish: Finish | None) -> None:
@@ -137,7 +156,7 @@ def closed_loop_through_proxy(
                 arrive, t_send = sent[req.rid]
                 prev = last_tok.get(req.rid)
                 if prev is None:
-                    stats.observe_answered(now)
+                    stats.observe_answered(now, keys.pop(req.rid, None))
                     stats.observe_ttft(now - t_send)
                     run.ttfts.append((now, now - arrive))
                 else:
@@ -145,10 +164,20 @@ def closed_loop_through_proxy(
                 last_tok[req.rid] = now
                 stats.observe_tokens(n, now)
                 run.tokens_at.append((now, n))
+            if finish is not None and req.rid in recalled:
+                recalled.discard(req.rid)
+                stats.observe_answered(now, keys.pop(req.rid, None))
+                arrive, _ = sent.pop(req.rid)
+                b.in_flight -= 1
+                stats.observe_in_flight(b.in_flight, b.limit.limit, now)
+                run.recalled += 1
+                queued.insert(0, arrive)  # first in the queue, as Admission's ``front``
+                dispatch(now)
+                return
             if finish is not None:
                 ok = finish.type != "abort"
                 if req.rid not in last_tok:
-                    stats.observe_answered(now)  # ended without a token
+                    stats.observe_answered(now, keys.pop(req.rid, None))  # ended without one
                 stats.observe_completion(ok, None if ok else "abort", output_tokens=req.generated)
                 arrive, _ = sent.pop(req.rid, (now, now))
                 last_tok.pop(req.rid, None)
@@ -166,6 +195,7 @@ def closed_loop_through_proxy(
         b.sched = Scheduler(b.profile, seed=b.seed, emit=make_emit(b), make_ids=False)
         if scrape_interval_s:
             b.stats.stale_after_s = 3 * scrape_interval_s
+    control = LimitControl()
     queued.extend([0.0] * clients)
     dispatch(0.0)
     next_tick = tick_s
@@ -192,12 +222,11 @@ def closed_loop_through_proxy(
             next_scrape = t + (scrape_interval_s or float("inf"))
         if next_tick <= t:
             for i, b in enumerate(backends):
-                if not window_complete(b.limit, b.stats, t):
-                    continue
-                w = b.stats.take_window(t)
-                b.limit.update(w)
-                b.stats.observe_in_flight(b.in_flight, b.limit.limit, t)
-                row = (t, b.limit.limit, w.in_flight, w.tokens_per_s)
+                started = b.stats.window_started
+                control.tick([b], t)
+                if b.stats.window_started == started:
+                    continue  # no window closed
+                row = (t, b.limit.limit, b.in_flight, b.stats.tokens_per_s)
                 run.traces[b.name].append(row)
                 if i == 0:
                     run.limit_trace.append(row)

@@ -14,6 +14,7 @@ import pytest
 from proxy_support import MODEL, FakeUpstream, fakes, running_proxy, wait_for
 
 from proxy.backends import State
+from proxy.limits import LimitSettings
 
 
 def client(url: str, key: str = "none") -> openai.AsyncOpenAI:
@@ -521,6 +522,7 @@ class _HandLimit:
 
     name = "hand"
     knee = None
+    settings = LimitSettings()
 
     def __init__(self, n: int) -> None:
         self._limit = n

@@ -1,0 +1,81 @@
+"""The limits' control loop: cut each backend's observations into windows, feed them to its
+limit, apply what it decides.
+
+Admission calls :meth:`LimitControl.tick` after every release and from its background task;
+the virtual-time harness (tests/limit_sim.py) calls it the same way. One backend's step:
+
+1. Is its open window complete? A window lasts ``window_s``. The window after a change of the
+   limit *settles*: it is not judged, and it ends as soon as the requests the change admitted
+   have had their prefill (at most ``SETTLED_AWAITING`` of the limit, or two requests, still
+   without a first token) or after ``max_window_s`` — a raise is not judged inside its own
+   prefill wave, and a backend that keeps requests waiting shows it in the windows after.
+2. Close it (:meth:`proxy.stats.BackendStats.take_window`) and give it to ``limit.update``.
+3. If the limit changed: tell the stats (time at the limit is measured against it), and if it
+   fell below what is in flight, recall requests the backend has not started answering (newest
+   first): they go back to the proxy's queue, to whichever backend frees first.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from proxy.limits import Decision
+
+log = logging.getLogger("proxy.limits")
+
+#: a settling window ends once at most this share of the limit still waits for a first token
+SETTLED_AWAITING = 0.1
+
+
+class LimitControl:
+    """Windows and decisions for every backend (state: which backends are settling)."""
+
+    def __init__(self) -> None:
+        self._settling: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+    def tick(self, backends: list[Any], now: float) -> list[tuple[Any, Decision]]:
+        """Feed every backend whose window is complete; returns the decisions made."""
+        out = []
+        for b in backends:
+            d = self._step(b, now)
+            if d is not None:
+                out.append((b, d))
+        return out
+
+    def _step(self, b: Any, now: float) -> Decision | None:
+        st, lim = b.stats, b.limit
+        settling = self._settling.get(st, False)
+        if not self._complete(b, now, settling):
+            return None
+        w = st.take_window(now)
+        if settling and not w.restarted:
+            self._settling[st] = False
+            return None
+        before = lim.limit
+        try:
+            d = lim.update(w)
+        except Exception:  # a limit's bug must not fail requests: keep the old limit
+            log.exception("limit update failed for backend %s", b.name)
+            return None
+        after = lim.limit
+        if after == before:
+            return d
+        self._settling[st] = True
+        st.observe_in_flight(b.in_flight, after, now)
+        log.info("backend %s limit %s", b.name, d if d is not None else f"{before}->{after}")
+        excess = b.in_flight - st.recalling - after
+        if excess > 0:
+            st.recall_unanswered(excess)
+        return d
+
+    @staticmethod
+    def _complete(b: Any, now: float, settling: bool) -> bool:
+        s = b.limit.settings
+        age = now - b.stats.window_started
+        if age >= s.max_window_s:
+            return True
+        if settling:
+            return b.stats.awaiting <= max(2.0, SETTLED_AWAITING * b.limit.limit)
+        return age >= s.window_s
