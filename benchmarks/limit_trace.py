@@ -56,7 +56,7 @@ def convergence(profile: str, clients: int, sweep: list[int]) -> list[str]:
         if t > 60 and limit == last and t < DURATION - 1:
             continue
     lines += ["```", "", "Decisions:", "", "```"]
-    lines += [f"{t:6.1f}  -> {limit:4d}  {why}" for t, limit, why in lim.history]
+    lines += [f"{d.at:6.1f}  -> {d.after:4d}  {d}" for d in lim.history]
     lines += ["```", ""]
     rows = []
     a_tps = run.throughput(*STEADY)

@@ -134,15 +134,18 @@ def closed_loop_through_proxy(
 
     recalled: set[str] = set()
     keys: dict[str, int] = {}  # rid -> its key in the backend's stats (until answered)
+    aborts: list[tuple[SimBackend, str]] = []  # recalled, to abort after the control step
 
     def make_recall(b: SimBackend, rid: str):
         def recall() -> bool:
             # As the proxy's forwarding does: a request without a first token is taken back
             # (SGLang aborts it) and waits in the proxy's queue again, keeping its arrival time.
-            if rid in last_tok or rid not in sent:
+            # The abort lands after the control step, as the proxy's cancellation does.
+            if rid in last_tok or rid not in sent or rid in recalled:
                 return False
             recalled.add(rid)
-            return b.sched.abort(rid)
+            aborts.append((b, rid))
+            return True
 
         return recall
 
@@ -224,6 +227,11 @@ def closed_loop_through_proxy(
             for i, b in enumerate(backends):
                 started = b.stats.window_started
                 control.tick([b], t)
+                while aborts:
+                    ab, rid = aborts.pop()
+                    ab.sched._now = max(ab.sched._now, t)
+                    if not ab.sched.abort(rid):  # it answered meanwhile: nothing to take back
+                        recalled.discard(rid)
                 if b.stats.window_started == started:
                     continue  # no window closed
                 row = (t, b.limit.limit, b.in_flight, b.stats.tokens_per_s)
