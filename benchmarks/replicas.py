@@ -52,10 +52,10 @@ def run_phase(args: argparse.Namespace, replicas: int, repeat: int = 1) -> dict[
             for i, px in enumerate(proxies):
                 d = get_json(f"{px.url}/admin/backends", timeout=1.0)
                 for b in (d or {}).get("backends", []):
-                    e = out.setdefault(b["name"], {"in_flight": 0, "limits": [], "ext": []})
+                    e = out.setdefault(b["name"], {"in_flight": 0, "limits": [], "capacity": []})
                     e["in_flight"] += b["in_flight"]
                     e["limits"].append(b["limit"])
-                    e["ext"].append((b.get("limit_state") or {}).get("external_in_flight"))
+                    e["capacity"].append((b.get("limit_state") or {}).get("capacity"))
                     e[f"p{i}"] = b["in_flight"]
             for prof, url in zip(PROFILES, sim.urls, strict=True):
                 load = get_json(f"{url}/get_load", timeout=1.0)
@@ -87,7 +87,7 @@ def run_phase(args: argparse.Namespace, replicas: int, repeat: int = 1) -> dict[
             "per_proxy_mean": [
                 statistics.fmean(x.get(f"p{i}", 0) for x in ss) for i in range(replicas)
             ],
-            "external_last": ss[-1]["ext"],
+            "capacity_last": ss[-1]["capacity"],
         }
     series = [
         (round(t / ts, 1), {p: s[p]["in_flight"] for p in PROFILES if p in s})

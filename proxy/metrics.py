@@ -182,22 +182,18 @@ class _AdaptCollector(Collector):
 
         be = ["backend"]
         knee = gauge(
-            "pipefill_backend_knee", "Estimated knee: in flight where throughput stops growing", be
+            "pipefill_backend_knee",
+            "Capacity found: the in-flight count past which the backend keeps requests waiting",
+            be,
         )
-        base_itl = gauge(
-            "pipefill_backend_baseline_itl_seconds", "ITL measured when the knee was chosen", be
-        )
-        base_ttft = gauge(
-            "pipefill_backend_baseline_ttft_seconds", "TTFT measured when the knee was chosen", be
+        phase = gauge(
+            "pipefill_backend_limit_phase",
+            "1 for the adaptive limit's current state (start, hold, probe)",
+            ["backend", "phase"],
         )
         itl = gauge("pipefill_backend_itl_seconds", "Current ITL (EWMA, seconds per token)", be)
         ttft = gauge("pipefill_backend_ttft_seconds", "Current TTFT (peak EWMA; errors count)", be)
         tps = gauge("pipefill_backend_tokens_per_second", "Output tokens/s over the last 10 s", be)
-        ext = gauge(
-            "pipefill_backend_external_in_flight",
-            "Requests at the backend not sent by this proxy (scraped running+queued - ours)",
-            be,
-        )
         sq = gauge(
             "pipefill_backend_scraped_queue_reqs", "sglang:num_queue_reqs (sum of ranks)", be
         )
@@ -215,15 +211,12 @@ class _AdaptCollector(Collector):
         stale = gauge("pipefill_backend_scrape_stale", "1 if scraped metrics are stale", be)
         for b in self._backends():
             n = [b.name]
-            snap = b.limit.snapshot() if hasattr(b.limit, "snapshot") else {}
+            snap = b.limit.snapshot()
             k = getattr(b.limit, "knee", None)
             if k is not None:
                 knee.add_metric(n, k)
-            for fam, key in ((base_itl, "baseline_itl_s"), (base_ttft, "baseline_ttft_s")):
-                if snap.get(key) is not None:
-                    fam.add_metric(n, snap[key])
-            if snap.get("external_in_flight") is not None:
-                ext.add_metric(n, snap["external_in_flight"])
+            if snap.get("phase") is not None:
+                phase.add_metric([b.name, snap["phase"]], 1.0)
             st = b.stats
             if st.itl is not None:
                 itl.add_metric(n, st.itl)
@@ -240,7 +233,7 @@ class _AdaptCollector(Collector):
                 age.add_metric(n, a)
             if sc.attempted_at is not None:
                 stale.add_metric(n, 1.0 if st.scrape_stale() else 0.0)
-        yield from (knee, base_itl, base_ttft, itl, ttft, tps, waiting, ext, sq, sr, su, age, stale)
+        yield from (knee, phase, itl, ttft, tps, waiting, sq, sr, su, age, stale)
 
         adm = self._admission
         depth = gauge("pipefill_queue_depth", "Requests waiting in the proxy's queue", ["class"])
