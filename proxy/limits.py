@@ -170,8 +170,6 @@ REOPEN_WINDOWS = 2
 #: share of a window spent at the limit with requests waiting in the proxy that says demand
 #: exceeds the limit
 PRESSURE = 0.5
-#: largest factor one growth step takes, when this backend's share of the proxy's queue is big
-BACKLOG_JUMP = 4
 #: consecutive windows with stale scraped metrics before (and between) back-offs
 STALE_WINDOWS = 3
 #: most of the in-flight requests that can count as always in prefill (beyond it the queue
@@ -219,9 +217,11 @@ class AdaptiveLimit:
     minus the smallest excess seen, and that is the capacity. Windows right after a change are
     not judged (proxy/control.py waits until the change's requests had their prefill).
 
-    States: ``START`` doubles the limit (or takes this backend's share of the proxy's queue,
-    up to ``BACKLOG_JUMP`` x) on each judged window where demand filled it (``PRESSURE``) and
-    the backend was not full. ``HOLD`` keeps the capacity; after ``probe_every_s`` of demand
+    States: ``START`` doubles the limit, or takes all of this backend's share of the proxy's
+    queue if that is more, on each judged window where demand filled it (``PRESSURE``) and the
+    backend was not full: with the capacity unknown, sending what waits is what sending straight
+    to the backend would do, so it cannot deliver less; a queue it makes is cut back with the
+    requests recalled. ``HOLD`` keeps the capacity; after ``probe_every_s`` of demand
     above it, a ``probe_step`` probe (``PROBE``): full again -> back to what it runs; not full
     for ``REOPEN_WINDOWS`` -> the capacity grew, ``START`` again. Errors and stale metrics back
     off by ``backoff``; a restart resumes at the capacity found. Never below ``floor`` (a
@@ -389,7 +389,7 @@ class AdaptiveLimit:
 
     def _grow(self, w: Window, code: Code) -> Decision | None:
         level = self._limit
-        nxt = max(2 * level, min(level + w.backlog, BACKLOG_JUMP * level))
+        nxt = max(2 * level, level + w.backlog)
         return self._set(self._clamp(nxt), w, code)
 
     def _restart(self, w: Window) -> Decision | None:

@@ -83,9 +83,12 @@ def test_grows_only_while_demand_fills_the_limit():
     lim = adaptive(floor=8)
     drive(lim, BatchModel(max_running=512, demand=5), 30)
     assert lim.limit == 8 and lim.phase is Phase.START
-    # demand arrives: the limit takes this backend's share of the queue at once (up to 4x)
+    # demand arrives: the limit takes this backend's share of the queue at once
     d = lim.update(win(8, 30.0, backlog=100))
-    assert d is not None and d.code is Code.GROW and d.after == 32
+    assert d is not None and d.code is Code.GROW and d.after == 108
+    # a small backlog still doubles
+    d = lim.update(win(108, 31.0, backlog=5))
+    assert d is not None and d.code is Code.GROW and d.after == 216
 
 
 def test_never_below_the_floor_even_when_the_backend_runs_fewer():
