@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import random
 import statistics
 
@@ -110,6 +112,42 @@ def test_tp_is_allreduce_bound_and_ep_scales_per_rank():
     assert step_cost_ms(ep, 128) - step_cost_ms(ep, 1) < step_cost_ms(TP8, 128) - step_cost_ms(
         TP8, 1
     )
+
+
+def _token_gaps(profile, n: int = 40) -> list[float]:
+    """Gaps between one lone request's tokens on the plain scheduler (each gap = one pass)."""
+    times: list[float] = []
+    sched = Scheduler(profile, seed=3, emit=lambda req, ids, fin: times.append(sched._now))
+    sched.submit(GenRequest("r", prompt_tokens=100, max_new_tokens=n, ignore_eos=True), 0.0)
+    while (t := sched.next_time()) is not None:
+        sched.advance(t)
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def test_no_step_noise_leaves_every_pass_at_its_step_cost():
+    sched = Scheduler(TP8, seed=1)
+    for b, n in ((1, 0), (7, 300), (128, 0)):
+        assert sched.pass_cost_ms(b, n) == step_cost_ms(TP8, b, n)
+    gaps = _token_gaps(TP8)
+    assert gaps == pytest.approx([step_cost_ms(TP8, 1) / 1000] * len(gaps), rel=1e-9)
+
+
+def test_step_noise_varies_passes_around_their_step_cost():
+    noisy = TP8.with_overrides(step_noise=0.2)
+    base = step_cost_ms(TP8, 16)
+    sched = Scheduler(noisy, seed=1)
+    costs = [sched.pass_cost_ms(16, 0) for _ in range(4000)]
+    again = Scheduler(noisy, seed=1)  # the same seed draws the same factors
+    assert [again.pass_cost_ms(16, 0) for _ in range(5)] == costs[:5]
+    assert len(set(costs)) == len(costs)
+    assert statistics.fmean(costs) == pytest.approx(base, rel=0.02)  # mean factor 1
+    logs = [math.log(c / base) for c in costs]
+    assert statistics.stdev(logs) == pytest.approx(0.2, rel=0.1)
+    other = Scheduler(noisy, seed=2)
+    assert [other.pass_cost_ms(16, 0) for _ in range(5)] != costs[:5]
+    gaps = _token_gaps(noisy)  # the scheduler's passes take the noisy cost
+    assert len(set(gaps)) == len(gaps)
+    assert statistics.fmean(gaps) == pytest.approx(step_cost_ms(TP8, 1) / 1000, rel=0.15)
 
 
 def test_wall_clock_scales(monkeypatch):

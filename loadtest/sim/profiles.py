@@ -99,6 +99,17 @@ class Profile(BaseModel):
     )
     p2p_us_per_token: float = Field(0.0, ge=0, description="pp: per-token hand-off cost")
 
+    # --- cost model: noise ----------------------------------------------------------------
+    step_noise: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="sigma of a log-normal factor (mean 1) multiplying every pass's cost, drawn "
+        "per pass from the scheduler's seed: real step times jitter (kernels, host scheduling, "
+        "collectives), and a limit tuned on noise-free steps can over-read small differences; "
+        "0 = every pass costs exactly step_cost_ms",
+    )
+
     # --- natural output lengths (ignore_eos = false) ---------------------------------------
     output_len_median: float = Field(
         256.0, gt=0, description="median natural answer length (log-normal), tokens"

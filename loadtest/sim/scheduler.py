@@ -16,7 +16,8 @@ Model (details and the cost formulas in docs/simulator-engine.md):
   requests FCFS into the slot (micro-batch cap, max_running_requests, KV pool with a
   new_token_ratio reserve, chunked-prefill budget), and (3) launches one pass. Empty slots are
   skipped at no cost.
-- A pass costs `step_cost_ms` (decode tokens + prefill tokens, batched together). tp/ep: the
+- A pass costs `step_cost_ms` (decode tokens + prefill tokens, batched together; times a
+  seeded log-normal factor of mean 1 if the profile sets `step_noise`). tp/ep: the
   slot is busy for that long. pp: each of the S stages is busy cost/S in turn, with a hand-off
   latency between stages; a stage works on one micro-batch at a time, so with fewer non-empty
   slots than stages most stages idle, and a request advances one token per loop.
@@ -187,6 +188,14 @@ def handoff_ms(profile: Profile, tokens: int) -> float:
     return profile.p2p_latency_ms + profile.p2p_us_per_token * tokens / 1000.0
 
 
+def noise_factor(rng: random.Random, sigma: float) -> float:
+    """A log-normal factor with mean 1 (``exp(sigma z - sigma^2 / 2)``, z standard normal).
+
+    Mean 1 keeps a profile's calibrated throughput while its step times jitter.
+    """
+    return math.exp(sigma * rng.gauss(0.0, 1.0) - sigma * sigma / 2.0)
+
+
 class Scheduler:
     """Continuous batching over slots; see the module docstring."""
 
@@ -220,6 +229,11 @@ class Scheduler:
         self._log_retracted = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for live throughput
         self._busy_ms = 0.0
+        # step_noise draws from its own stream (none at all when 0), so a noise-free profile
+        # schedules exactly as before and a noisy one repeats for a seed
+        self._noise = (
+            random.Random(stable_seed(seed, "step-noise")) if profile.step_noise > 0 else None
+        )
 
     # --- requests ---------------------------------------------------------------------------
     def submit(self, g: GenRequest, now: float) -> Req:
@@ -483,7 +497,7 @@ class Scheduler:
             if gets_token and q.target > 0:
                 q.kv += 1
                 self.used_tokens += 1
-        cost = step_cost_ms(p, len(decoders), prefill_tokens) / 1000.0
+        cost = self.pass_cost_ms(len(decoders), prefill_tokens) / 1000.0
         self._busy_ms += cost * 1000.0
         if self.stages == 1:
             t_done = now + cost
@@ -514,6 +528,14 @@ class Scheduler:
             if self._decode_ct % p.decode_log_interval == 0:
                 self._log(len(decoders), decode=True)
         return True
+
+    def pass_cost_ms(self, decode_tokens: int, prefill_tokens: int) -> float:
+        """One pass's busy time: ``step_cost_ms`` times a fresh noise factor if the profile has
+        ``step_noise`` (each call draws one)."""
+        ms = step_cost_ms(self.profile, decode_tokens, prefill_tokens)
+        if self._noise is not None:
+            ms *= noise_factor(self._noise, self.profile.step_noise)
+        return ms
 
     def _retract(self, req: Req) -> None:
         """Back to the waiting queue's front; its KV is dropped (re-prefilled on readmission)."""

@@ -1,0 +1,472 @@
+"""Does the adaptive limit generalise? Adaptive vs the best fixed limit on generated backend shapes.
+
+    .venv/bin/python benchmarks/limit_shapes.py --split tune      # 60 shapes, ~10 min on 2 cores
+    .venv/bin/python benchmarks/limit_shapes.py --split accept    # 200 other shapes: the verdict
+    .venv/bin/python benchmarks/limit_shapes.py --split tune --shapes 5 --no-save   # a smoke run
+
+The adaptive limit (proxy/limits.py) must, with more demand than a backend can run, never
+deliver less throughput than sending straight to it, at the backend's capacity. It was tuned on
+three profiles; this judges it on shapes it was not tuned on: ``loadtest.sim.shapes`` draws
+random but plausible engines and workloads (pipeline stages 1-16, step costs from fixed to
+per-request, running caps 8-1024, KV pools binding before or after the cap, prefill-heavy and
+-light, short and long answers, step-time noise), seeded, in two disjoint splits: tune on
+``--split tune``, accept on ``--split accept``.
+
+For every shape and every client count in ``CLIENT_FACTORS`` x its estimated capacity (the
+running cap, the KV pool's bound or the prefill budget's, whichever binds first;
+``loadtest.sim.shapes.estimate``),
+closed-loop clients go through the proxy's queue and one limit into the simulator's scheduler
+in virtual time (tests/limit_sim.py, no sockets):
+
+- fixed limits on a geometric grid around the capacity (``GRID_FACTORS``, plus the pp stage
+  count, plus ``clients`` itself: no limit, i.e. sending straight to the backend; limits above
+  ``clients`` are the same run), extended downwards by ``EXTEND`` while its lowest limit is
+  the best, then the geometric midpoints either side of the best: the best fixed limit is the
+  one with the most output tokens/s in the measurement window (the smallest of equals);
+- the adaptive limit, as ``adaptive_limit(profile)`` builds it.
+
+Durations follow the shape's estimated time for one request at capacity, ``r`` (prefill +
+answer; ``Durations``): the measurement window lasts ``max(measure_min_s, measure_requests *
+r, measure_completions * r / running)`` (``running`` = clients or capacity, whichever is
+smaller), so at least ~``measure_completions`` requests and several request lifetimes complete
+in it. It starts after ``max(adaptive_warmup_min_s, adaptive_warmup_requests * r)`` for the
+adaptive limit (time to climb from its floor: it needs seconds of windows per level whatever
+the shape), and after ``max(fixed_warmup_min_s, fixed_warmup_requests * r)`` for a fixed limit,
+which has nothing to learn: only the start-up wave of prefills must pass. Every run of a case
+uses the same seed (the same answer lengths and step noise).
+
+Per case: throughput ratio adaptive / best fixed, TTFT p99 ratio (clients' TTFT: includes the
+wait in the proxy's queue), adaptive / direct (limit = clients), the adaptive limit at the end
+and when it first reached ``REACHED`` x the best fixed limit, and the *window noise*: how much
+the direct run's throughput changed in the window after its measurement window (on pp and
+KV-bound shapes a few % even over 4 request lifetimes; a ratio that misses the bar by less is
+within what one window says). Printed and written (markdown + json, ``--out``): the
+distribution of the ratios, how many shapes pass the bar on every client count, the worst
+``WORST`` cases (smallest margin to the bar), and a verdict line (the bar: ``MIN_THROUGHPUT``
+on every case and ``MIN_MEDIAN_THROUGHPUT`` on the median, ``MAX_TTFT_P99`` on every case).
+Exit status 0 whatever the verdict (it is a measurement).
+
+Cost: simulated tokens and passes, not modelled seconds, take the time. ``Durations`` and the
+generator's affordability bounds (``loadtest.sim.shapes.MAX_TOKENS_PER_S``, ...) are set so
+that the accept split fits in about 20-25 minutes on 2 cores; long answers at high capacity
+are what costs most (the window is counted in request lifetimes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from harness import RESULTS, load_cpu, positive_int, write_results
+from limit_sim import SimRun, closed_loop_through_limit
+
+from loadtest.sim.profiles import Profile
+from loadtest.sim.shapes import SPLITS, Shape, generate_shape, split_seeds
+from proxy.limits import Limit, LimitSettings, make_limit
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIENT_FACTORS = (0.5, 1.0, 2.0)  # x capacity
+GRID_FACTORS = (0.5, 0.7, 1.0, 1.4, 2.0)  # fixed limits, x capacity (extended below if best)
+EXTEND = 1 / math.sqrt(2)  # ...by this factor while the lowest limit is still the best
+
+# the acceptance bar
+MIN_THROUGHPUT = 0.95  # adaptive / best fixed, every case
+MIN_MEDIAN_THROUGHPUT = 0.98  # ...and on the median case
+MAX_TTFT_P99 = 1.2  # adaptive / best fixed's, every case
+
+REACHED = 0.9  # report when the adaptive limit first reached this x the best fixed limit
+WORST = 15  # cases in the table of the worst
+
+
+def adaptive_limit(profile: Profile) -> Limit:
+    """The adaptive limit under test, built as the proxy builds it for this backend.
+
+    The one place that decides what the algorithm is told about a backend (its parallelism
+    hint); change it here and every case uses the change.
+    """
+    return make_limit(LimitSettings(), parallelism=profile.parallelism, pp_size=profile.pp_size)
+
+
+def fixed_limit(n: int) -> Limit:
+    return make_limit(LimitSettings(algorithm="fixed", initial=n))
+
+
+@dataclass(frozen=True, slots=True)
+class Durations:
+    """How long to run, in request lifetimes ``r`` of the shape (see the module docstring)."""
+
+    measure_min_s: float = 20.0
+    measure_requests: float = 4.0
+    measure_completions: float = 120.0
+    adaptive_warmup_min_s: float = 120.0
+    adaptive_warmup_requests: float = 2.0
+    fixed_warmup_min_s: float = 5.0
+    fixed_warmup_requests: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One case's timing: warmups and the measurement window's length, in modelled seconds."""
+
+    fixed_warmup_s: float
+    adaptive_warmup_s: float
+    measure_s: float
+
+
+def plan(shape: Shape, clients: int, d: Durations) -> Plan:
+    r = shape.est.request_s
+    running = max(1, min(clients, shape.est.capacity))
+    measure = max(d.measure_min_s, d.measure_requests * r, d.measure_completions * r / running)
+    return Plan(
+        fixed_warmup_s=max(d.fixed_warmup_min_s, d.fixed_warmup_requests * r),
+        adaptive_warmup_s=max(d.adaptive_warmup_min_s, d.adaptive_warmup_requests * r),
+        measure_s=measure,
+    )
+
+
+def client_levels(shape: Shape) -> list[int]:
+    """Client counts from below capacity to twice above it (at least 1)."""
+    return sorted({max(1, round(f * shape.est.capacity)) for f in CLIENT_FACTORS})
+
+
+def fixed_grid(shape: Shape, clients: int) -> list[int]:
+    """Fixed limits to sweep: a grid around capacity, the pp stage count, and ``clients`` (the
+    direct baseline); a limit above ``clients`` never binds, so it is ``clients``."""
+    levels = {round(f * shape.est.capacity) for f in GRID_FACTORS}
+    levels |= {shape.profile.stages, clients}
+    return sorted({min(max(1, n), clients) for n in levels})
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    tokens_per_s: float
+    ttft_p99: float
+    completed: int  # requests completed in the window
+
+
+def measure(run: SimRun, t0: float, t1: float) -> Measured:
+    done = sum(1 for t, _ in run.e2es if t0 <= t < t1)
+    return Measured(run.throughput(t0, t1), run.ttft_pct(t0, t1, 0.99), done)
+
+
+def _run(shape: Shape, clients: int, limit: Limit, duration_s: float) -> SimRun:
+    return closed_loop_through_limit(
+        shape.profile,
+        clients,
+        limit,
+        duration_s=duration_s,
+        input_len=shape.input_len,
+        output_len=shape.output_len,
+        seed=shape.seed,
+    )
+
+
+def _ratio(a: float, b: float) -> float:
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a / b if b > 0 else (1.0 if a == 0 else math.inf)
+
+
+def run_case(shape: Shape, clients: int, d: Durations | None = None) -> dict[str, Any]:
+    """One shape at one client count: the fixed sweep, the adaptive limit, their ratios."""
+    started = time.perf_counter()
+    p = plan(shape, clients, d or Durations())
+    fixed_t0 = p.fixed_warmup_s
+    fixed_end = fixed_t0 + p.measure_s
+    sweep: dict[int, Measured] = {}
+    # the direct run goes on for a second window: how much one configuration's throughput
+    # moves from one window to the next (the noise any single ratio here carries)
+    direct_run = _run(shape, clients, fixed_limit(clients), fixed_end + p.measure_s)
+    sweep[clients] = measure(direct_run, fixed_t0, fixed_end)
+    direct_next = measure(direct_run, fixed_end, fixed_end + p.measure_s)
+
+    def sweep_at(n: int) -> None:
+        if n not in sweep:
+            run = _run(shape, clients, fixed_limit(n), fixed_end)
+            sweep[n] = measure(run, fixed_t0, fixed_end)
+
+    def best() -> int:  # the smallest of equally good limits
+        return max(sorted(sweep), key=lambda n: sweep[n].tokens_per_s)
+
+    for n in fixed_grid(shape, clients):
+        sweep_at(n)
+    while best() == min(sweep) and best() > 1:  # the capacity estimate was too high
+        sweep_at(max(1, round(best() * EXTEND)))
+    grid = sorted(sweep)
+    i = grid.index(best())
+    for nb in grid[max(i - 1, 0) : i] + grid[i + 1 : i + 2]:  # refine between the neighbours
+        sweep_at(round(math.sqrt(grid[i] * nb)))
+    best_n = best()
+
+    limit = adaptive_limit(shape.profile)
+    t0 = p.adaptive_warmup_s
+    t1 = t0 + p.measure_s
+    run = _run(shape, clients, limit, t1)
+    ad = measure(run, t0, t1)
+    reached = run.first_time_at(REACHED * best_n)
+    bf, direct = sweep[best_n], sweep[clients]
+    tps_ratio = _ratio(ad.tokens_per_s, bf.tokens_per_s)
+    ttft_ratio = _ratio(ad.ttft_p99, bf.ttft_p99)
+    return {
+        "shape": shape.name,
+        "seed": shape.seed,
+        "clients": clients,
+        "capacity": shape.est.capacity,
+        "kv_bound": shape.est.kv_bound,
+        "parallelism": shape.profile.parallelism,
+        "stages": shape.profile.stages,
+        "plan": asdict(p),
+        "fixed": {n: asdict(m) for n, m in sorted(sweep.items())},
+        "best_fixed": best_n,
+        "best_tps": bf.tokens_per_s,
+        "best_ttft_p99": bf.ttft_p99,
+        "direct_tps": direct.tokens_per_s,
+        "adaptive_tps": ad.tokens_per_s,
+        "adaptive_ttft_p99": ad.ttft_p99,
+        "adaptive_completed": ad.completed,
+        "tps_ratio": tps_ratio,
+        "ttft_ratio": ttft_ratio,
+        "vs_direct": _ratio(ad.tokens_per_s, direct.tokens_per_s),
+        "window_noise": abs(_ratio(direct_next.tokens_per_s, direct.tokens_per_s) - 1),
+        "final_limit": limit.limit,
+        "mean_limit": run.mean_limit(t0, t1),
+        "reached_s": reached,
+        "passes": passes(tps_ratio, ttft_ratio),
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def run_shape(shape: Shape, d: Durations | None = None) -> list[dict[str, Any]]:
+    """Every client count of one shape (``run_case`` each)."""
+    return [run_case(shape, c, d) for c in client_levels(shape)]
+
+
+def passes(tps_ratio: float, ttft_ratio: float) -> bool:
+    """The per-case bar (NaN fails: a ratio that could not be measured is not a pass)."""
+    return tps_ratio >= MIN_THROUGHPUT and ttft_ratio <= MAX_TTFT_P99
+
+
+def distribution(xs: list[float]) -> dict[str, float]:
+    """min, p5, p25, median, mean, p75, p95, max (nearest rank) of the finite values."""
+    v = sorted(x for x in xs if math.isfinite(x))
+    if not v:
+        return {}
+
+    def pct(q: float) -> float:
+        return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+
+    return {
+        "min": v[0],
+        "p5": pct(0.05),
+        "p25": pct(0.25),
+        "median": statistics.median(v),
+        "mean": statistics.fmean(v),
+        "p75": pct(0.75),
+        "p95": pct(0.95),
+        "max": v[-1],
+    }
+
+
+def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bar over all cases: shapes whose every case passes, and the median throughput."""
+    shapes: dict[str, bool] = {}
+    for r in rows:
+        shapes[r["shape"]] = shapes.get(r["shape"], True) and r["passes"]
+    tps = [r["tps_ratio"] for r in rows]
+    median = statistics.median(x if math.isfinite(x) else 0.0 for x in tps) if tps else math.nan
+    ok = all(shapes.values()) and median >= MIN_MEDIAN_THROUGHPUT
+    return {
+        "shapes": len(shapes),
+        "shapes_passing": sum(shapes.values()),
+        "cases": len(rows),
+        "cases_passing": sum(r["passes"] for r in rows),
+        "median_tps_ratio": median,
+        "accepted": ok,
+    }
+
+
+def margin(r: dict[str, Any]) -> float:
+    """How far a case is from failing the bar (< 1: it fails; 0: not measured); ranks the
+    worst."""
+    t, q = r["tps_ratio"], r["ttft_ratio"]
+    if math.isnan(t) or math.isnan(q):
+        return 0.0
+    return min(t / MIN_THROUGHPUT, MAX_TTFT_P99 / q if q > 0 else math.inf)
+
+
+def beyond_noise(r: dict[str, Any]) -> bool:
+    """Misses the throughput bar by more than the case's window noise (or is unmeasured)."""
+    return not r["tps_ratio"] >= MIN_THROUGHPUT - r["window_noise"]
+
+
+def verdict_line(v: dict[str, Any]) -> str:
+    word = "ACCEPTED" if v["accepted"] else "REJECTED"
+    return (
+        f"VERDICT: {word}: {v['shapes_passing']}/{v['shapes']} shapes pass on every client "
+        f"count (throughput >= {MIN_THROUGHPUT}x best fixed, TTFT p99 <= {MAX_TTFT_P99}x); "
+        f"{v['cases_passing']}/{v['cases']} cases; median throughput ratio "
+        f"{v['median_tps_ratio']:.3f} (bar {MIN_MEDIAN_THROUGHPUT})"
+    )
+
+
+def _f(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    v = verdict(rows)
+    lines = [
+        f"## Adaptive limit on generated shapes: split `{meta['split']}`",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Commit {meta['commit']}; {meta['shapes']} shapes (seeds {meta['seeds']}), "
+        f"{len(rows)} cases; {meta['wall_s']:.0f} s wall with {meta['jobs']} worker(s) "
+        f"({meta['cpu_s']:.0f} s of runs); {meta['load']}.",
+        "",
+        "Virtual time (tests/limit_sim.py); durations and the bar in "
+        "benchmarks/limit_shapes.py's docstring.",
+        "",
+        "| ratio | min | p5 | p25 | median | mean | p75 | p95 | max |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, label in (
+        ("tps_ratio", "throughput adaptive / best fixed"),
+        ("ttft_ratio", "TTFT p99 adaptive / best fixed"),
+        ("vs_direct", "throughput adaptive / direct"),
+        ("window_noise", "window noise (direct, next window)"),
+    ):
+        d = distribution([r[key] for r in rows])
+        cells = " | ".join(_f(d.get(k)) for k in ("min", "p5", "p25", "median", "mean"))
+        cells += " | " + " | ".join(_f(d.get(k)) for k in ("p75", "p95", "max"))
+        lines.append(f"| {label} | {cells} |")
+    unmeasured = [r for r in rows if not math.isfinite(r["ttft_ratio"] * r["tps_ratio"])]
+    lines += [
+        "",
+        f"Cases failing throughput (< {MIN_THROUGHPUT}): "
+        f"{sum(1 for r in rows if not r['tps_ratio'] >= MIN_THROUGHPUT)}; "
+        f"failing TTFT p99 (> {MAX_TTFT_P99}): "
+        f"{sum(1 for r in rows if not r['ttft_ratio'] <= MAX_TTFT_P99)}; "
+        f"with a ratio that could not be measured: {len(unmeasured)}. Throughput failures by "
+        f"more than their case's window noise: {sum(1 for r in rows if beyond_noise(r))}.",
+        "",
+        f"### The {WORST} worst cases (smallest margin to the bar)",
+        "",
+        "| shape | clients | capacity est. | tput ratio | TTFT p99 ratio | vs direct | noise | "
+        "best fixed | adaptive final (mean) | reached 90% at s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=margin)[:WORST]:
+        reached = "never" if r["reached_s"] is None else f"{r['reached_s']:.0f}"
+        lines.append(
+            f"| {r['shape']} | {r['clients']} | {r['capacity']} | {_f(r['tps_ratio'])} | "
+            f"{_f(r['ttft_ratio'], '.2f')} | {_f(r['vs_direct'])} | {_f(r['window_noise'])} | "
+            f"{r['best_fixed']} | "
+            f"{r['final_limit']} ({_f(r['mean_limit'], '.0f')}) | {reached} |"
+        )
+    lines += ["", verdict_line(v), ""]
+    return "\n".join(lines)
+
+
+def _case(task: tuple[int, int]) -> dict[str, Any]:
+    seed, clients = task
+    return run_case(generate_shape(seed), clients)
+
+
+def _cost(shape: Shape, clients: int) -> float:
+    """Rough simulated tokens of a case: to start the longest cases first."""
+    p = plan(shape, clients, Durations())
+    rate = shape.est.tokens_per_s * min(1.0, clients / shape.est.capacity)
+    return rate * (p.adaptive_warmup_s + 8 * (p.fixed_warmup_s + p.measure_s))
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--split", choices=sorted(SPLITS), default="tune")
+    ap.add_argument("--shapes", type=positive_int, help="shapes (default: the split's default)")
+    ap.add_argument("--seed-base", type=int, help="first seed (default: the split's first)")
+    ap.add_argument("--jobs", type=positive_int, default=2, help="worker processes")
+    ap.add_argument("--out", type=Path, help="results path without suffix (.md and .json)")
+    ap.add_argument("--no-save", action="store_true", help="print only")
+    args = ap.parse_args(argv)
+    try:
+        seeds = split_seeds(args.split, args.shapes, args.seed_base)
+    except ValueError as exc:
+        ap.error(str(exc))
+    shapes = {s: generate_shape(s) for s in seeds}
+    tasks = [(s, c) for s in seeds for c in client_levels(shapes[s])]
+    tasks.sort(key=lambda t: _cost(shapes[t[0]], t[1]), reverse=True)
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    with multiprocessing.Pool(args.jobs) if args.jobs > 1 else _Inline() as pool:
+        for row in pool.imap_unordered(_case, tasks):
+            rows.append(row)
+            print(
+                f"[{len(rows)}/{len(tasks)}] {row['shape']} C={row['clients']}: throughput "
+                f"{row['tps_ratio']:.3f}, TTFT p99 {row['ttft_ratio']:.2f}, limit "
+                f"{row['final_limit']} (best fixed {row['best_fixed']}) {row['wall_s']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    rows.sort(key=lambda r: (r["seed"], r["clients"]))
+    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    meta = {
+        "split": args.split,
+        "command": f"python benchmarks/limit_shapes.py {argv_text}".strip(),
+        "commit": _commit(),
+        "shapes": len(seeds),
+        "seeds": f"{seeds[0]}-{seeds[-1]}",
+        "jobs": args.jobs,
+        "wall_s": time.perf_counter() - started,
+        "cpu_s": sum(r["wall_s"] for r in rows),
+        "load": load_cpu(),
+        "durations": asdict(Durations()),
+    }
+    text = markdown(rows, meta)
+    print(text)
+    if not args.no_save:
+        out = args.out or RESULTS / f"limit_shapes-{args.split}"
+        data = {"meta": meta, "verdict": verdict(rows), "cases": rows}
+        write_results(out.name, text, data, out)
+        print(f"wrote {out.with_suffix('.md')} and .json", file=sys.stderr)
+    return 0
+
+
+class _Inline:
+    """``--jobs 1``: the pool's interface, in this process."""
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def imap_unordered(self, fn: Any, tasks: list[tuple[int, int]]) -> Any:
+        return map(fn, tasks)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
