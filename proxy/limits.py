@@ -53,7 +53,7 @@ class LimitSettings(BaseModel):
     )
     queue_share: float = Field(0.05, ge=0, le=1, description="see queue_tolerance")
     probe_every_s: float = Field(
-        10.0,
+        30.0,
         gt=0,
         description="at a capacity found, with requests waiting in the proxy, probe above it "
         "this often",

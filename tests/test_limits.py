@@ -196,11 +196,14 @@ def test_probes_above_a_held_capacity_under_demand_and_returns_when_still_full()
     model = BatchModel(max_running=40)
     drive(lim, model, 30)
     assert lim.capacity == 40 and lim.limit == 40
-    s = lim.settings
-    decisions = feed(lim, [model.window(lim.limit, 30 + i) for i in range(int(s.probe_every_s))])
-    assert [d.code for d in decisions] == [Code.PROBE]
-    assert decisions[0].after == 50 and lim.phase is Phase.PROBE  # +25%, above the tolerance
-    decisions = feed(lim, [model.window(lim.limit, 50 + i) for i in range(FULL_WINDOWS)])
+    held_at = lim.decision.at
+    t = 30
+    while (d := lim.update(model.window(lim.limit, t))) is None:
+        t += 1
+    # demand waited in the proxy all along: the probe comes probe_every_s after the hold began
+    assert d.code is Code.PROBE and d.after == 50 and lim.phase is Phase.PROBE  # +25%
+    assert lim.settings.probe_every_s <= d.at - held_at <= lim.settings.probe_every_s + 1
+    decisions = feed(lim, [model.window(lim.limit, t + 1 + i) for i in range(FULL_WINDOWS)])
     assert [d.code for d in decisions] == [Code.FULL] and lim.limit == 40
 
 
@@ -210,7 +213,7 @@ def test_a_probe_that_finds_no_queue_grows_again():
     lim = adaptive(floor=1)
     drive(lim, BatchModel(max_running=40), 60)
     assert lim.capacity == 40
-    drive(lim, BatchModel(max_running=300), 40, t0=60)
+    drive(lim, BatchModel(max_running=300), 60, t0=60)
     assert lim.capacity == 300
     assert any(d.code is Code.REOPEN for d in lim.history)
 
