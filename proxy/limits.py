@@ -221,9 +221,11 @@ class AdaptiveLimit:
     queue if that is more, on each judged window where demand filled it (``PRESSURE``) and the
     backend was not full: with the capacity unknown, sending what waits is what sending straight
     to the backend would do, so it cannot deliver less; a queue it makes is cut back with the
-    requests recalled. ``HOLD`` keeps the capacity; after ``probe_every_s`` of demand
-    above it, a ``probe_step`` probe (``PROBE``): full again -> back to what it runs; not full
-    for ``REOPEN_WINDOWS`` -> the capacity grew, ``START`` again. Errors and stale metrics back
+    requests recalled. A growth step stops at the server's own ``max_running_requests``
+    (``/server_info``) when it crosses it. ``HOLD`` keeps the capacity; after ``probe_every_s``
+    of demand above it, a ``probe_step`` probe (``PROBE``; none at or above the server's
+    ``max_running_requests``): full again -> back to what it runs; not full for
+    ``REOPEN_WINDOWS`` -> the capacity grew, ``START`` again. Errors and stale metrics back
     off by ``backoff``; a restart resumes at the capacity found. Never below ``floor`` (a
     pipeline's stage count), never above ``max_limit``.
     """
@@ -319,6 +321,8 @@ class AdaptiveLimit:
             self._demand_since = w.start
         if w.end - self._demand_since >= self.settings.probe_every_s:
             nxt = self._probe_level()
+            if w.max_running is not None and self._limit >= w.max_running:
+                return None  # the server runs no more than it said: a probe could only queue
             if nxt > self._limit:
                 self._phase = Phase.PROBE
                 self._open = 0
@@ -390,6 +394,10 @@ class AdaptiveLimit:
     def _grow(self, w: Window, code: Code) -> Decision | None:
         level = self._limit
         nxt = max(2 * level, level + w.backlog)
+        if w.max_running is not None and level < w.max_running:
+            # The server runs at most this many: more would wait inside it. (Only the step that
+            # crosses it stops there: a server that runs more than it said grows on from it.)
+            nxt = min(nxt, w.max_running)
         return self._set(self._clamp(nxt), w, code)
 
     def _restart(self, w: Window) -> Decision | None:

@@ -1,7 +1,8 @@
 """Scrape each backend's SGLang gauges: the confirming signal for the limits.
 
 Every ``interval_s`` each backend's ``/metrics`` is fetched and reduced to four numbers, landed in
-``backend.stats.observe_scrape``:
+``backend.stats.observe_scrape`` (and once, and after each restart, ``/server_info``'s
+``max_running_requests``: the most requests the server says it runs at once):
 
 - ``sglang:num_queue_reqs`` and ``sglang:num_running_reqs``: summed over ranks (dp/pp); of
   series labelled ``tp_rank``/``attn_tp_rank``/``moe_ep_rank`` only rank "0" counts, since with
@@ -99,6 +100,16 @@ def parse_metrics(text: str) -> dict[str, float | None]:
     }
 
 
+def parse_server_info(body: bytes) -> int | None:
+    """``/server_info``'s ``max_running_requests`` (SGLang's server arguments: the most requests
+    it runs at once; None when unset or not a positive whole number)."""
+    info = orjson.loads(body)
+    value = info.get("max_running_requests") if isinstance(info, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return None
+
+
 def parse_get_load(body: bytes) -> dict[str, float | None]:
     """``/get_load``: one row per DP rank with num_reqs (running + waiting), num_waiting_reqs."""
     rows = orjson.loads(body)
@@ -135,6 +146,8 @@ class Scraper:
         self.unsupported: set[str] = set()
         #: called after each backend's scrape (e.g. ``admission.wake`` when limits may move)
         self.on_scrape = on_scrape
+        #: backends whose server info was asked for, and at which restart count
+        self._info_asked: dict[str, int] = {}
 
     @property
     def stale_after_s(self) -> float:
@@ -194,7 +207,24 @@ class Scraper:
             stats.observe_scrape(ok=False, error=f"{type(e).__name__}: {e}"[:200])
             return False
         stats.observe_scrape(ok=True, **values)
+        if self._info_asked.get(backend.name) != stats.scrape.restarts:
+            self._info_asked[backend.name] = stats.scrape.restarts
+            stats.scrape.max_running_requests = await self._server_info(base, headers)
         return True
+
+    async def _server_info(self, base: str, headers: dict[str, str] | None) -> int | None:
+        """What the server says it runs at most; asked once, and again after a restart. Newer
+        SGLang serves ``/server_info``, older ``/get_server_info``; no answer is no hint."""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                return parse_server_info(await self._get(base + path, headers))
+            except asyncio.CancelledError:
+                raise
+            except _NotServed:
+                continue
+            except Exception:
+                return None
+        return None
 
     async def scrape_all(self) -> None:
         backends = self._backends()

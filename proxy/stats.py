@@ -64,6 +64,8 @@ class Window:
     #: time-averaged count of our requests whose first token the proxy cannot see
     #: (non-streamed: their answer arrives whole), left out of ``awaiting``
     opaque: float = 0.0
+    #: the most requests the server says it runs at once (its ``/server_info``), if it said
+    max_running: int | None = None
 
     @property
     def duration(self) -> float:
@@ -177,6 +179,8 @@ class ScrapeState:
     errors: int = 0
     restarts: int = 0
     last_error: str | None = None
+    #: ``max_running_requests`` from the server's own info (None: not said, or not asked yet)
+    max_running_requests: int | None = None
 
 
 @dataclass(slots=True)
@@ -532,6 +536,7 @@ class BackendStats:
             pressure=w.pressure_time / span,
             awaiting=w.awaiting_area / span,
             awaiting_min=float(w.awaiting_min),
+            max_running=self.scrape.max_running_requests,
             opaque=w.opaque_area / span,
             backlog=self._waiters,
             tokens=w.tokens,

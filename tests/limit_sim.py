@@ -214,6 +214,8 @@ def closed_loop_through_proxy(
             continue
         if next_scrape <= t:
             for b in backends:
+                # what the server's /server_info says, as the proxy's scraper reads it
+                b.stats.scrape.max_running_requests = b.profile.max_running_requests
                 lg = b.sched.logged_stats()
                 b.stats.observe_scrape(
                     ok=True,

@@ -6,6 +6,8 @@ its numbers), never by their wording.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from limit_models import BatchModel, drive, win
 from pydantic import ValidationError
@@ -280,3 +282,22 @@ def test_snapshot_and_decision_are_structured():
     assert snap["limit"] == 40 and snap["capacity"] == 40 and snap["phase"] == "hold"
     assert snap["decision"] == "full"
     assert str(lim.decision).startswith("full ")
+
+
+def test_a_growth_step_stops_where_the_server_says_it_runs_no_more():
+    """``/server_info``'s max_running_requests: a step that crosses it stops there (no queue to
+    cut back, nothing to recall); a server that runs more than it said is grown past it."""
+    lim = adaptive(floor=8)
+    d = lim.update(dataclasses.replace(win(8, 0.0, backlog=200), max_running=64))
+    assert d is not None and d.code is Code.GROW and d.after == 64
+    d = lim.update(dataclasses.replace(win(64, 1.0, backlog=150), max_running=64))
+    assert d is not None and d.after == 214  # no queue at 64: it said too little
+
+
+def test_no_probe_at_or_above_what_the_server_says_it_runs():
+    lim = adaptive(floor=1)
+    model = BatchModel(max_running=40)
+    drive(lim, model, 30)
+    assert lim.limit == 40
+    windows = [dataclasses.replace(model.window(40, 30 + i), max_running=40) for i in range(60)]
+    assert feed(lim, windows) == []

@@ -6,7 +6,13 @@ from adapt_fakes import FakeBackend, FakeClock
 from aiohttp import web
 from conftest import free_port
 
-from proxy.scrape import Scraper, ScrapeSettings, parse_get_load, parse_metrics
+from proxy.scrape import (
+    Scraper,
+    ScrapeSettings,
+    parse_get_load,
+    parse_metrics,
+    parse_server_info,
+)
 from proxy.stats import BackendStats
 
 PAGE = """\
@@ -138,4 +144,36 @@ async def test_scraper_failure_and_404():
     finally:
         await scraper.close()
         await scraper404.close()
+        await runner.cleanup()
+
+
+def test_parse_server_info_takes_max_running_requests_only_when_it_is_one():
+    assert parse_server_info(b'{"max_running_requests": 64, "pp_size": 4}') == 64
+    bad = ["null", "0", '"64"', "true"]
+    for body in [b"{}", b"[1]", *(b'{"max_running_requests": %s}' % v.encode() for v in bad)]:
+        assert parse_server_info(body) is None
+
+
+async def test_scraper_asks_the_server_what_it_runs_once_and_after_a_restart():
+    runner, url = await _serve(
+        {
+            "/metrics": PAGE.encode(),
+            "/server_info": 404,  # an older SGLang: only /get_server_info
+            "/get_server_info": b'{"max_running_requests": 48}',
+        }
+    )
+    b = FakeBackend("a", url=url)
+    scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
+    try:
+        await scraper.scrape_all()
+        assert b.stats.scrape.max_running_requests == 48
+        assert b.stats.take_window().max_running == 48
+        b.stats.scrape.max_running_requests = None  # not asked again without a restart
+        await scraper.scrape_all()
+        assert b.stats.scrape.max_running_requests is None
+        b.stats.scrape.restarts += 1
+        await scraper.scrape_all()
+        assert b.stats.scrape.max_running_requests == 48
+    finally:
+        await scraper.close()
         await runner.cleanup()
