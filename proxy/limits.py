@@ -101,6 +101,7 @@ class Code(enum.StrEnum):
     PROBE = "probe"  # held at a capacity found, demand above it for probe_every_s: try higher
     REOPEN = "reopen"  # a probe found no queue: capacity unknown again, grow
     FULL = "full"  # the backend keeps requests waiting: down to what it runs
+    THRASH = "thrash"  # SGLang retracted running requests (KV pool out): down below that
     LATENCY = "latency"  # median ITL above the operator's target: step down
     ERRORS = "errors"  # most requests of the window failed: back off
     STALE = "stale"  # scraped metrics stale for a while: back off
@@ -285,6 +286,12 @@ class AdaptiveLimit:
         self._stale = 0
         if w.errors >= 2 and w.errors * 2 > w.completions:
             return self._back_off(w, Code.ERRORS)
+        if w.in_flight > w.limit + self._tolerance():
+            # Still draining down to a lower limit (requests that had started cannot be
+            # recalled): what the backend shows is what was sent before, not this limit.
+            return None
+        if w.retracted > 0:
+            return self._thrash(w)
         if self._cut is not None:
             undo = self._check_cut(w)
             if undo is not None:
@@ -390,6 +397,20 @@ class AdaptiveLimit:
         self._phase = Phase.HOLD
         self._demand_since = None
         return self._set(cap, w, Code.FULL, excess=excess)
+
+    def _thrash(self, w: Window) -> Decision | None:
+        """SGLang retracted running requests: it had admitted more than its KV pool holds as
+        their answers grow, and pays for it in recomputed prefill. Not noise but an event (as
+        a dropped packet is): the limit comes down at once by our share of those retracted and
+        of what waits, to what the pool sustains."""
+        share = w.in_flight / max((w.running_reqs or 0.0) + (w.queue_reqs or 0.0), w.in_flight)
+        shed = max(self.excess(w), w.retracted * min(1.0, share))
+        cap = self._clamp(min(self._limit - 1, math.floor(w.in_flight - shed)))
+        self._full, self._least_excess = 0, math.inf
+        self.capacity = cap
+        self._phase = Phase.HOLD
+        self._demand_since = None
+        return self._set(cap, w, Code.THRASH, excess=shed)
 
     def _grow(self, w: Window, code: Code) -> Decision | None:
         level = self._limit

@@ -9,7 +9,9 @@ Every ``interval_s`` each backend's ``/metrics`` is fetched and reduced to four 
   ``--enable-metrics-for-all-schedulers`` every TP rank repeats the same scheduler state;
 - ``sglang:token_usage``: the fullest rank (each DP rank has its own KV pool, so a sum of
   fractions would mean nothing);
-- ``sglang:generation_tokens_total``: summed; when it goes backwards the backend restarted.
+- ``sglang:generation_tokens_total``: summed; when it goes backwards the backend restarted;
+- ``sglang:num_retracted_requests_total``: summed; running requests SGLang pushed back to its
+  queue because its KV pool ran out (it admitted more than the pool holds).
 
 With ``use_get_load`` the queue and running counts come from ``/get_load`` instead (fresher: it
 asks the scheduler, while SGLang's gauges refresh only every 40 decode steps and keep their value
@@ -42,6 +44,7 @@ WANTED = (
     "sglang:num_running_reqs",
     "sglang:token_usage",
     "sglang:generation_tokens_total",
+    "sglang:num_retracted_requests_total",
 )
 
 
@@ -97,6 +100,7 @@ def parse_metrics(text: str) -> dict[str, float | None]:
         "running_reqs": sums.get("sglang:num_running_reqs"),
         "token_usage": sums.get("sglang:token_usage"),
         "generation_tokens_total": sums.get("sglang:generation_tokens_total"),
+        "retractions_total": sums.get("sglang:num_retracted_requests_total"),
     }
 
 

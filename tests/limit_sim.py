@@ -222,6 +222,7 @@ def closed_loop_through_proxy(
                     queue_reqs=float(lg.num_queue_reqs),
                     running_reqs=float(lg.num_running_reqs),
                     token_usage=float(lg.token_usage),
+                    retractions_total=float(b.sched.counters.retractions_total),
                     now=t,
                 )
             next_scrape = t + (scrape_interval_s or float("inf"))

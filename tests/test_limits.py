@@ -301,3 +301,24 @@ def test_no_probe_at_or_above_what_the_server_says_it_runs():
     assert lim.limit == 40
     windows = [dataclasses.replace(model.window(40, 30 + i), max_running=40) for i in range(60)]
     assert feed(lim, windows) == []
+
+
+def test_retractions_cut_at_once_below_what_thrashed():
+    """SGLang pushing running requests back to its queue (KV pool out) is an event, not noise:
+    the limit comes down at once by our share of the retracted, to what the pool sustains."""
+    lim = adaptive(floor=1, initial=100)
+    lim._phase = Phase.HOLD
+    w = dataclasses.replace(win(100, 0.0, queue=10.0, running=90.0, usage=0.9), retracted=12.0)
+    d = lim.update(w)
+    assert d is not None and d.code is Code.THRASH and d.after == 88 and d.excess == 12.0
+    assert lim.capacity == 88 and lim.phase is Phase.HOLD
+
+
+def test_no_judgement_while_draining_down_to_a_lower_limit():
+    """Requests that had started cannot be recalled: until they finish, the backend shows what
+    was sent before, and the limit does not cut again on it."""
+    lim = adaptive(floor=1, initial=50)
+    lim._phase = Phase.HOLD
+    draining = [win(50, i, in_flight=80.0, awaiting_min=30.0, pressure=0.0) for i in range(4)]
+    assert feed(lim, draining) == []
+    assert lim.limit == 50

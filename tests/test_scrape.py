@@ -29,6 +29,8 @@ sglang:num_used_tokens{model_name="m",tp_rank="0"} 999.0
 # TYPE sglang:generation_tokens counter
 sglang:generation_tokens_total{model_name="m"} 1234.0
 sglang:generation_tokens_created{model_name="m"} 1.7e9
+sglang:num_retracted_requests_total{model_name="m",dp_rank="0"} 4.0
+sglang:num_retracted_requests_total{model_name="m",dp_rank="1"} 3.0
 """
 
 
@@ -38,6 +40,7 @@ def test_parse_sums_ranks_once_and_takes_the_fullest_kv_pool():
     assert v["running_reqs"] == 22.0
     assert v["token_usage"] == 0.75
     assert v["generation_tokens_total"] == 1234.0
+    assert v["retractions_total"] == 7.0
 
 
 def test_parse_missing_metrics_are_none():
@@ -47,6 +50,7 @@ def test_parse_missing_metrics_are_none():
         "running_reqs": None,
         "token_usage": None,
         "generation_tokens_total": None,
+        "retractions_total": None,
     }
 
 
@@ -177,3 +181,16 @@ async def test_scraper_asks_the_server_what_it_runs_once_and_after_a_restart():
     finally:
         await scraper.close()
         await runner.cleanup()
+
+
+def test_a_window_counts_the_retractions_scraped_during_it():
+    clock = FakeClock()
+    st = BackendStats(clock=clock, stale_after_s=5.0)
+    st.observe_scrape(ok=True, queue_reqs=0.0, retractions_total=7.0)
+    assert st.take_window().retracted == 0.0  # no mark yet: nothing to compare with
+    clock.advance(1.0)
+    st.observe_scrape(ok=True, queue_reqs=3.0, retractions_total=12.0)
+    assert st.take_window().retracted == 5.0
+    clock.advance(1.0)
+    st.observe_scrape(ok=True, queue_reqs=0.0, retractions_total=2.0)  # counter reset
+    assert st.take_window().retracted == 0.0
