@@ -216,7 +216,10 @@ class AdaptiveLimit:
     A backend is full when the excess is above ``max(queue_tolerance, queue_share * limit)``
     for ``FULL_WINDOWS`` judged windows; the limit then becomes the window's in-flight count
     minus the smallest excess seen, and that is the capacity. Windows right after a change are
-    not judged (proxy/control.py waits until the change's requests had their prefill).
+    not judged (proxy/control.py waits until the change's requests had their prefill), nor
+    windows with more in flight than the limit (draining: what the backend shows was sent
+    before). SGLang retracting running requests (its KV pool ran out as answers grew) is an
+    event, not noise: the limit comes down at once by our share of them (``THRASH``).
 
     States: ``START`` doubles the limit, or takes all of this backend's share of the proxy's
     queue if that is more, on each judged window where demand filled it (``PRESSURE``) and the
