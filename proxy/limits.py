@@ -171,6 +171,10 @@ REOPEN_WINDOWS = 2
 #: share of a window spent at the limit with requests waiting in the proxy that says demand
 #: exceeds the limit
 PRESSURE = 0.5
+#: in flight above the limit (time-averaged) that still counts as at it: retractions are judged
+#: only at a level the backend has fully drained down to, or one thrash would compound on the
+#: next while the retracted requests (not recallable: they had tokens) still run
+DRAINED = 0.5
 #: consecutive windows with stale scraped metrics before (and between) back-offs
 STALE_WINDOWS = 3
 #: most of the in-flight requests that can count as always in prefill (beyond it the queue
@@ -219,14 +223,16 @@ class AdaptiveLimit:
     not judged (proxy/control.py waits until the change's requests had their prefill), nor
     windows with more in flight than the limit (draining: what the backend shows was sent
     before). SGLang retracting running requests (its KV pool ran out as answers grew) is an
-    event, not noise: the limit comes down at once by our share of them (``THRASH``).
+    event, not noise: when our share of them is above the tolerance, the limit comes down at
+    once by that many (``THRASH``); a retraction or two costs a recomputed prefill, less than
+    running one request fewer would.
 
     States: ``START`` doubles the limit, or takes all of this backend's share of the proxy's
     queue if that is more, on each judged window where demand filled it (``PRESSURE``) and the
     backend was not full: with the capacity unknown, sending what waits is what sending straight
     to the backend would do, so it cannot deliver less; a queue it makes is cut back with the
-    requests recalled. A growth step stops at the server's own ``max_running_requests``
-    (``/server_info``) when it crosses it. ``HOLD`` keeps the capacity; after ``probe_every_s``
+    requests recalled. Growth stops at the server's own ``max_running_requests``
+    (``/server_info``). ``HOLD`` keeps the capacity; after ``probe_every_s``
     of demand above it, a ``probe_step`` probe (``PROBE``; none at or above the server's
     ``max_running_requests``): full again -> back to what it runs; not full for
     ``REOPEN_WINDOWS`` -> the capacity grew, ``START`` again. Errors and stale metrics back
@@ -293,7 +299,7 @@ class AdaptiveLimit:
             # Still draining down to a lower limit (requests that had started cannot be
             # recalled): what the backend shows is what was sent before, not this limit.
             return None
-        if w.retracted > 0:
+        if self._retracted(w) >= self._tolerance() and w.in_flight <= w.limit + DRAINED:
             return self._thrash(w)
         if self._cut is not None:
             undo = self._check_cut(w)
@@ -406,8 +412,7 @@ class AdaptiveLimit:
         their answers grow, and pays for it in recomputed prefill. Not noise but an event (as
         a dropped packet is): the limit comes down at once by our share of those retracted and
         of what waits, to what the pool sustains."""
-        share = w.in_flight / max((w.running_reqs or 0.0) + (w.queue_reqs or 0.0), w.in_flight)
-        shed = max(self.excess(w), w.retracted * min(1.0, share))
+        shed = max(self.excess(w), self._retracted(w))
         cap = self._clamp(min(self._limit - 1, math.floor(w.in_flight - shed)))
         self._full, self._least_excess = 0, math.inf
         self.capacity = cap
@@ -415,13 +420,18 @@ class AdaptiveLimit:
         self._demand_since = None
         return self._set(cap, w, Code.THRASH, excess=shed)
 
+    @staticmethod
+    def _retracted(w: Window) -> float:
+        """Our share of the requests SGLang retracted in the window."""
+        scraped = (w.running_reqs or 0.0) + (w.queue_reqs or 0.0)
+        return w.retracted * min(1.0, w.in_flight / max(scraped, w.in_flight, 1e-9))
+
     def _grow(self, w: Window, code: Code) -> Decision | None:
         level = self._limit
         nxt = max(2 * level, level + w.backlog)
-        if w.max_running is not None and level < w.max_running:
-            # The server runs at most this many: more would wait inside it. (Only the step that
-            # crosses it stops there: a server that runs more than it said grows on from it.)
-            nxt = min(nxt, w.max_running)
+        if w.max_running is not None:
+            # The server runs at most this many: more would only wait inside it.
+            nxt = min(nxt, max(level, w.max_running))
         return self._set(self._clamp(nxt), w, code)
 
     def _restart(self, w: Window) -> Decision | None:

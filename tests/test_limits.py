@@ -285,13 +285,13 @@ def test_snapshot_and_decision_are_structured():
 
 
 def test_a_growth_step_stops_where_the_server_says_it_runs_no_more():
-    """``/server_info``'s max_running_requests: a step that crosses it stops there (no queue to
-    cut back, nothing to recall); a server that runs more than it said is grown past it."""
+    """``/server_info``'s max_running_requests: growth stops there (no queue to cut back,
+    nothing to recall), however much waits in the proxy."""
     lim = adaptive(floor=8)
     d = lim.update(dataclasses.replace(win(8, 0.0, backlog=200), max_running=64))
     assert d is not None and d.code is Code.GROW and d.after == 64
-    d = lim.update(dataclasses.replace(win(64, 1.0, backlog=150), max_running=64))
-    assert d is not None and d.after == 214  # no queue at 64: it said too little
+    assert lim.update(dataclasses.replace(win(64, 1.0, backlog=150), max_running=64)) is None
+    assert lim.limit == 64
 
 
 def test_no_probe_at_or_above_what_the_server_says_it_runs():
@@ -312,6 +312,13 @@ def test_retractions_cut_at_once_below_what_thrashed():
     d = lim.update(w)
     assert d is not None and d.code is Code.THRASH and d.after == 88 and d.excess == 12.0
     assert lim.capacity == 88 and lim.phase is Phase.HOLD
+
+
+def test_retractions_while_still_above_the_limit_do_not_cut_again():
+    lim = adaptive(floor=1, initial=88)
+    lim._phase = Phase.HOLD
+    w = dataclasses.replace(win(88, 0.0, in_flight=92.0, queue=4.0, running=88.0), retracted=3.0)
+    assert lim.update(w) is None and lim.limit == 88
 
 
 def test_no_judgement_while_draining_down_to_a_lower_limit():
