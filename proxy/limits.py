@@ -62,12 +62,6 @@ class LimitSettings(BaseModel):
     backoff: float = Field(
         0.85, gt=0, lt=1, description="multiplicative decrease on errors or stale metrics"
     )
-    kv_high: float = Field(
-        0.95,
-        gt=0,
-        le=1,
-        description="scraped token_usage at or above this, with SGLang queueing, = KV pool full",
-    )
     target_itl_s: float | None = Field(
         None,
         gt=0,
@@ -101,7 +95,6 @@ class Code(enum.StrEnum):
     PROBE = "probe"  # held at a capacity found, demand above it for probe_every_s: try higher
     REOPEN = "reopen"  # a probe found no queue: capacity unknown again, grow
     FULL = "full"  # the backend keeps requests waiting: down to what it runs
-    THRASH = "thrash"  # SGLang retracted running requests (KV pool out): down below that
     LATENCY = "latency"  # median ITL above the operator's target: step down
     ERRORS = "errors"  # most requests of the window failed: back off
     STALE = "stale"  # scraped metrics stale for a while: back off
@@ -171,10 +164,6 @@ REOPEN_WINDOWS = 2
 #: share of a window spent at the limit with requests waiting in the proxy that says demand
 #: exceeds the limit
 PRESSURE = 0.5
-#: in flight above the limit (time-averaged) that still counts as at it: retractions are judged
-#: only at a level the backend has fully drained down to, or one thrash would compound on the
-#: next while the retracted requests (not recallable: they had tokens) still run
-DRAINED = 0.5
 #: consecutive windows with stale scraped metrics before (and between) back-offs
 STALE_WINDOWS = 3
 #: most of the in-flight requests that can count as always in prefill (beyond it the queue
@@ -213,19 +202,17 @@ class AdaptiveLimit:
       moment; only a queue keeps some waiting all window long.
     - SGLang's: its ``num_queue_reqs`` gauge, our share of it.
     - where both are known, the smaller: our timing has no lag, the gauge has no prefill noise.
-      A KV pool at ``kv_high`` with SGLang queueing is full whatever our timing shows (SGLang
-      retracts running requests into its queue); if most of our requests are non-streamed, the
-      gauge alone decides.
+      If most of our requests are non-streamed, the gauge alone decides. A full KV pool, and
+      requests SGLang retracted (pushed back to its queue after they produced tokens), are not
+      evidence by themselves: SGLang adapts its own admission after a retraction, and on the
+      generated shapes cutting on them lost throughput against sending straight.
 
     A backend is full when the excess is above ``max(queue_tolerance, queue_share * limit)``
     for ``FULL_WINDOWS`` judged windows; the limit then becomes the window's in-flight count
     minus the smallest excess seen, and that is the capacity. Windows right after a change are
     not judged (proxy/control.py waits until the change's requests had their prefill), nor
     windows with more in flight than the limit (draining: what the backend shows was sent
-    before). SGLang retracting running requests (its KV pool ran out as answers grew) is an
-    event, not noise: when our share of them is above the tolerance, the limit comes down at
-    once by that many (``THRASH``); a retraction or two costs a recomputed prefill, less than
-    running one request fewer would.
+    before).
 
     States: ``START`` doubles the limit, or takes all of this backend's share of the proxy's
     queue if that is more, on each judged window where demand filled it (``PRESSURE``) and the
@@ -299,8 +286,6 @@ class AdaptiveLimit:
             # Still draining down to a lower limit (requests that had started cannot be
             # recalled): what the backend shows is what was sent before, not this limit.
             return None
-        if self._retracted(w) >= self._tolerance() and w.in_flight <= w.limit + DRAINED:
-            return self._thrash(w)
         if self._cut is not None:
             undo = self._check_cut(w)
             if undo is not None:
@@ -353,8 +338,6 @@ class AdaptiveLimit:
         scraped_total = (w.running_reqs or 0.0) + w.queue_reqs
         share = w.in_flight / max(scraped_total, w.in_flight, 1e-9)
         queued = w.queue_reqs * min(1.0, share)
-        if w.token_usage is not None and w.token_usage >= self.settings.kv_high:
-            return queued
         if w.opaque >= OPAQUE_SHARE * max(w.in_flight, 1e-9):
             return queued
         return min(ours, queued)
@@ -406,25 +389,6 @@ class AdaptiveLimit:
         self._phase = Phase.HOLD
         self._demand_since = None
         return self._set(cap, w, Code.FULL, excess=excess)
-
-    def _thrash(self, w: Window) -> Decision | None:
-        """SGLang retracted running requests: it had admitted more than its KV pool holds as
-        their answers grow, and pays for it in recomputed prefill. Not noise but an event (as
-        a dropped packet is): the limit comes down at once by our share of those retracted and
-        of what waits, to what the pool sustains."""
-        shed = max(self.excess(w), self._retracted(w))
-        cap = self._clamp(min(self._limit - 1, math.floor(w.in_flight - shed)))
-        self._full, self._least_excess = 0, math.inf
-        self.capacity = cap
-        self._phase = Phase.HOLD
-        self._demand_since = None
-        return self._set(cap, w, Code.THRASH, excess=shed)
-
-    @staticmethod
-    def _retracted(w: Window) -> float:
-        """Our share of the requests SGLang retracted in the window."""
-        scraped = (w.running_reqs or 0.0) + (w.queue_reqs or 0.0)
-        return w.retracted * min(1.0, w.in_flight / max(scraped, w.in_flight, 1e-9))
 
     def _grow(self, w: Window, code: Code) -> Decision | None:
         level = self._limit

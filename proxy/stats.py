@@ -66,9 +66,6 @@ class Window:
     opaque: float = 0.0
     #: the most requests the server says it runs at once (its ``/server_info``), if it said
     max_running: int | None = None
-    #: running requests SGLang retracted to its queue during the window (KV pool ran out;
-    #: the scraped counter's increase, all clients' requests)
-    retracted: float = 0.0
 
     @property
     def duration(self) -> float:
@@ -259,7 +256,6 @@ class BackendStats:
         self._win = _WindowAcc(start=self._if_stamp)
         self._restart_pending = False
         self.window_baseline: dict[str, float | None] = {}
-        self._retractions_at_window: float | None = None  # the counter when the window began
 
     # ---- write side (forwarding, admission, scraper) ------------------------------------
 
@@ -544,7 +540,6 @@ class BackendStats:
             awaiting=w.awaiting_area / span,
             awaiting_min=float(w.awaiting_min),
             max_running=self.scrape.max_running_requests,
-            retracted=self._retracted_since_window(fresh),
             opaque=w.opaque_area / span,
             backlog=self._waiters,
             tokens=w.tokens,
@@ -564,15 +559,6 @@ class BackendStats:
         self._restart_pending = False
         self._win = _WindowAcc(start=now, awaiting_min=self._awaiting)
         return out
-
-    def _retracted_since_window(self, fresh: bool) -> float:
-        """The retraction counter's increase since the last window closed (0 when not scraped,
-        stale, or reset by a restart); moves the mark to now."""
-        now_total = self.scrape.retractions_total if fresh else None
-        before, self._retractions_at_window = self._retractions_at_window, now_total
-        if now_total is None or before is None:
-            return 0.0
-        return max(0.0, now_total - before)
 
     def snapshot(self) -> dict:
         """Plain-data view for /admin/backends."""
@@ -598,6 +584,8 @@ class BackendStats:
                 "stale": self.scrape_stale(now),
                 "errors": self.scrape.errors,
                 "restarts": self.scrape.restarts,
+                "retractions_total": self.scrape.retractions_total,
+                "max_running_requests": self.scrape.max_running_requests,
             },
         }
 

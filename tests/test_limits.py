@@ -151,24 +151,6 @@ def test_a_stale_gauge_alone_does_not_cut_when_nobody_of_ours_waits():
     assert all(d.code is not Code.FULL for d in feed(lim, windows))
 
 
-def test_a_full_kv_pool_with_sglang_queueing_is_full_whatever_our_timing_shows():
-    """Retracted requests go back to SGLang's queue after they produced tokens: the proxy does
-    not see them wait, the gauge and the full pool do."""
-    lim = adaptive(floor=1, initial=64)
-    lim._phase = Phase.HOLD
-    windows = [
-        win(64, i, queue=16.0, running=48.0, usage=0.99, awaiting_min=0.0, pressure=0.0)
-        for i in range(FULL_WINDOWS)
-    ]
-    assert [d.code for d in feed(lim, windows)] == [Code.FULL]
-    assert lim.limit == 48
-    # a full pool without a queue is a busy server, not a full one
-    lim = adaptive(floor=1, initial=64)
-    lim._phase = Phase.HOLD
-    windows = [win(64, i, queue=0.0, running=64.0, usage=0.99, pressure=0.0) for i in range(5)]
-    assert feed(lim, windows) == []
-
-
 def test_non_streamed_traffic_is_judged_by_sglangs_queue():
     lim = adaptive(floor=1, initial=64)
     lim._phase = Phase.HOLD
@@ -301,24 +283,6 @@ def test_no_probe_at_or_above_what_the_server_says_it_runs():
     assert lim.limit == 40
     windows = [dataclasses.replace(model.window(40, 30 + i), max_running=40) for i in range(60)]
     assert feed(lim, windows) == []
-
-
-def test_retractions_cut_at_once_below_what_thrashed():
-    """SGLang pushing running requests back to its queue (KV pool out) is an event, not noise:
-    the limit comes down at once by our share of the retracted, to what the pool sustains."""
-    lim = adaptive(floor=1, initial=100)
-    lim._phase = Phase.HOLD
-    w = dataclasses.replace(win(100, 0.0, queue=10.0, running=90.0, usage=0.9), retracted=12.0)
-    d = lim.update(w)
-    assert d is not None and d.code is Code.THRASH and d.after == 88 and d.excess == 12.0
-    assert lim.capacity == 88 and lim.phase is Phase.HOLD
-
-
-def test_retractions_while_still_above_the_limit_do_not_cut_again():
-    lim = adaptive(floor=1, initial=88)
-    lim._phase = Phase.HOLD
-    w = dataclasses.replace(win(88, 0.0, in_flight=92.0, queue=4.0, running=88.0), retracted=3.0)
-    assert lim.update(w) is None and lim.limit == 88
 
 
 def test_no_judgement_while_draining_down_to_a_lower_limit():

@@ -181,16 +181,3 @@ async def test_scraper_asks_the_server_what_it_runs_once_and_after_a_restart():
     finally:
         await scraper.close()
         await runner.cleanup()
-
-
-def test_a_window_counts_the_retractions_scraped_during_it():
-    clock = FakeClock()
-    st = BackendStats(clock=clock, stale_after_s=5.0)
-    st.observe_scrape(ok=True, queue_reqs=0.0, retractions_total=7.0)
-    assert st.take_window().retracted == 0.0  # no mark yet: nothing to compare with
-    clock.advance(1.0)
-    st.observe_scrape(ok=True, queue_reqs=3.0, retractions_total=12.0)
-    assert st.take_window().retracted == 5.0
-    clock.advance(1.0)
-    st.observe_scrape(ok=True, queue_reqs=0.0, retractions_total=2.0)  # counter reset
-    assert st.take_window().retracted == 0.0
