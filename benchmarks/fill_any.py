@@ -1,6 +1,6 @@
 """Fill any pipeline: the adaptive limit on backends that are not the calibrated pp8/tp8/ep8.
 
-    .venv/bin/python benchmarks/fill_any.py                     # every section, ~7 min on 2 cores
+    .venv/bin/python benchmarks/fill_any.py                     # every section, ~7.5 min on 2 cores
     .venv/bin/python benchmarks/fill_any.py --only single --out # one section, results written
 
 Simulator profiles from benchmarks/profiles/ (synthetic shapes, see each file's header):

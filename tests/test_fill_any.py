@@ -130,6 +130,8 @@ def test_profile_shapes():
     assert shape["tp-cap32"].max_running_requests == 32
     for n in ("tp-kvbound", "tp-cap24", "tp-cap32"):
         assert shape[n].parallelism == "tp"
+    # the pair's and open section's backends serve one model (a router may route by model)
+    assert len({p.model_name for p in shape.values()}) == 1
     kv = shape["tp-kvbound"]  # the pool cannot hold max_running_requests of these requests
     assert kv.max_total_tokens / fill_any.INPUT_LEN < kv.max_running_requests
 
