@@ -1,6 +1,6 @@
 """Fill any pipeline: the adaptive limit on backends that are not the calibrated pp8/tp8/ep8.
 
-    .venv/bin/python benchmarks/fill_any.py                     # every section, ~7 min on 2 cores
+    .venv/bin/python benchmarks/fill_any.py                     # every section, ~7.5 min on 2 cores
     .venv/bin/python benchmarks/fill_any.py --only single --out # one section, results written
 
 Simulator profiles from benchmarks/profiles/ (synthetic shapes, see each file's header):
@@ -341,6 +341,17 @@ def trace_text(tr: dict[str, list[list]], limit: int = 12) -> str:
     return "; ".join(parts)
 
 
+def limits_text(r: dict[str, Any]) -> str:
+    """'pp4 64 (knee 60), tp-cap24 24' for a proxied arm's limits at the end, else '-'."""
+    if not r.get("limits"):
+        return "-"
+    knees = r.get("knees") or {}
+    return ", ".join(
+        f"{k} {v}" + (f" (knee {knees[k]})" if knees.get(k) is not None else "")
+        for k, v in r["limits"].items()
+    )
+
+
 def arm_cells(r: dict[str, Any]) -> str:
     errs = sum(r["errors"].values()) if r.get("errors") else 0
     return (
@@ -373,7 +384,7 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
             f"{SINGLE_MIN_RATIO})",
             "",
             "| profile | clients | arm | tok/s | TTFT p50 s | TTFT p99 s | completed | errors | "
-            "limit (knee) at end |",
+            "limit at end |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         vs = {}
@@ -383,7 +394,7 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
                 for i, r in enumerate(rows):
                     lim = "-"
                     if r.get("limits"):
-                        lim = f"{r['limits'].get(prof)} ({r['knees'].get(prof)})"
+                        lim = limits_text(r).removeprefix(f"{prof} ")
                     tag = f" r{i + 1}" if n > 1 else ""
                     lines.append(f"| {prof} | {clients} | {front}{tag} | {arm_cells(r)} {lim} |")
             v = single_verdict([rd["single"][prof]["direct"] for rd in rounds],
@@ -399,15 +410,15 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
         for prof, _ in SINGLE:
             for i, rd in enumerate(rounds):
                 tr = rd["single"][prof]["proxy"].get("limit_trace") or {}
-                lines.append(f"- {prof}{f' r{i + 1}' if n > 1 else ''}: {trace_text(tr)}")
+                lines.append(f"- {trace_text(tr)}{f' (r{i + 1})' if n > 1 else ''}")
         verdicts["single"] = vs
     if "pair" in rounds[0]:
         lines += [
             "",
             f"### pair: {' + '.join(PAIR)}, {PAIR_CLIENTS} closed-loop clients",
             "",
-            "| arm | tok/s | TTFT p50 s | TTFT p99 s | completed | errors | limits (knees) at end "
-            "| requests served per backend |",
+            "| arm | tok/s | TTFT p50 s | TTFT p99 s | completed | errors | limits at end "
+            "| requests each backend served (whole run) |",
             "|---|---|---|---|---|---|---|---|",
         ]
         fixed_name = "pipefill fixed " + "/".join(str(v) for v in PAIR_FIXED.values())
@@ -416,8 +427,7 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
         for front in ("router", "proxy", "fixed"):
             for i, rd in enumerate(rounds):
                 r = rd["pair"][front]
-                lim = ", ".join(f"{k} {v} ({r['knees'].get(k)})" for k, v in r["limits"].items()) \
-                    if r.get("limits") else "-"  # fmt: skip
+                lim = limits_text(r)
                 served = ", ".join(f"{k} {v}" for k, v in r["sim_served"].items())
                 tag = f" r{i + 1}" if n > 1 else ""
                 lines.append(f"| {names[front]}{tag} | {arm_cells(r)} {lim} | {served} |")
@@ -462,8 +472,8 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
             "window, leaves out the longest queued and is in the JSON).",
             "",
             "| arm | served req/s | tok/s | TTFT p50 s | TTFT p99 s | sent in window | ok | 429 "
-            "| 503 | other (cancelled = unfinished after the drain) | limits (knees) at end | "
-            "requests served per backend |",
+            "| 503 | other (cancelled = unfinished after the drain) | limits at end | "
+            "requests each backend served (whole run) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         names = {"router": "sglang-router round_robin", "proxy": "pipefill adaptive"}
@@ -472,8 +482,7 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
                 r = rd["open"][front]
                 st = r["statuses"]
                 other = {k: v for k, v in st.items() if k not in ("ok", "429", "503")}
-                lim = ", ".join(f"{k} {v} ({r['knees'].get(k)})" for k, v in r["limits"].items()) \
-                    if r.get("limits") else "-"  # fmt: skip
+                lim = limits_text(r)
                 served = ", ".join(f"{k} {v}" for k, v in r["sim_served"].items())
                 tag = f" r{i + 1}" if n > 1 else ""
                 lines.append(

@@ -130,6 +130,8 @@ def test_profile_shapes():
     assert shape["tp-cap32"].max_running_requests == 32
     for n in ("tp-kvbound", "tp-cap24", "tp-cap32"):
         assert shape[n].parallelism == "tp"
+    # the pair's and open section's backends serve one model (a router may route by model)
+    assert len({p.model_name for p in shape.values()}) == 1
     kv = shape["tp-kvbound"]  # the pool cannot hold max_running_requests of these requests
     assert kv.max_total_tokens / fill_any.INPUT_LEN < kv.max_running_requests
 
@@ -157,3 +159,39 @@ def test_open_capacity_is_derived_per_profile_from_the_engine_model():
         assert c["req_s"] == pytest.approx(c["tok_s"] / fill_any.OUTPUT_LEN)
     # tp-cap32 is the faster backend: an even split overloads pp4 first
     assert caps["tp-cap32"]["req_s"] > 1.3 * caps["pp4"]["req_s"]
+
+
+def _arm(tok: float, ttft99: float, **extra: object) -> dict:
+    row = {"output_tok_s": tok, "ttft_p50": 1.0, "ttft_p99": ttft99, "completed": 10,
+           "errors": {}, "sim_served": {"pp4": 5}}  # fmt: skip
+    return {**row, **extra}
+
+
+def test_report_judges_every_section_and_names_the_command():
+    proxied = {
+        "limits": {"pp4": 64},
+        "knees": {"pp4": 64},
+        "limit_trace": {"pp4": [[0.0, 8, None]]},
+    }
+    single = {p: {"direct": _arm(1000, 2.0), "proxy": _arm(960, 2.0, **proxied)}
+              for p, _ in fill_any.SINGLE}  # fmt: skip
+    single["pp4"]["proxy"]["output_tok_s"] = 700  # one profile misses: the section is not met
+    pair = {"router": _arm(1000, 6.0), "proxy": _arm(1150, 3.0, **proxied),
+            "fixed": _arm(1190, 5.6, **proxied)}  # fmt: skip
+    opened = {"statuses": {"ok": 9, "429": 1}, "sent": 10, "ttft_sent_p50": 1.0}
+    open_ = {"router": _arm(1600, 30.0, request_throughput=13.0, shed=0,
+                            **{**opened, "ttft_sent_p99": 34.0}),
+             "proxy": _arm(1700, 5.0, request_throughput=14.0, shed=1,
+                           **{**opened, "ttft_sent_p99": 6.0}, **proxied)}  # fmt: skip
+    args = argparse.Namespace(command="python benchmarks/fill_any.py --out", time_scale=1.0,
+                              warmup=5.0, duration=25.0, overload=1.1, queue_length=64,
+                              deadline=5.0, drain=90.0)  # fmt: skip
+    caps = {"pp4": {"tok_s": 768.0, "req_s": 6.0}, "tp-cap32": {"tok_s": 1152.0, "req_s": 9.0}}
+    rounds = [{"single": single, "pair": pair, "open": open_}]
+    text, data = fill_any.report(args, rounds, caps, 16.5, 400.0)
+    assert "Command: `python benchmarks/fill_any.py --out`" in text
+    assert text.splitlines()[-1] == "Verdicts: single NOT met, pair met, open met."
+    assert not data["verdicts"]["single"]["pp4"]["met"]
+    assert data["verdicts"]["single"]["tp-kvbound"]["met"]
+    assert data["verdicts"]["pair"]["adaptive"]["tok_s"] == pytest.approx(1.15)
+    assert data["verdicts"]["open"]["ttft_p99"] == pytest.approx(6 / 34)
