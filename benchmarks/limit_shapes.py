@@ -1,6 +1,6 @@
 """Does the adaptive limit generalise? Adaptive vs the best fixed limit on generated backend shapes.
 
-    .venv/bin/python benchmarks/limit_shapes.py --split tune      # 60 shapes, ~10 min on 2 cores
+    .venv/bin/python benchmarks/limit_shapes.py --split tune      # 60 shapes, ~550 CPU-s
     .venv/bin/python benchmarks/limit_shapes.py --split accept    # 200 other shapes: the verdict
     .venv/bin/python benchmarks/limit_shapes.py --split tune --shapes 5 --no-save   # a smoke run
 
@@ -48,8 +48,10 @@ Exit status 0 whatever the verdict (it is a measurement).
 
 Cost: simulated tokens and passes, not modelled seconds, take the time. ``Durations`` and the
 generator's affordability bounds (``loadtest.sim.shapes.MAX_TOKENS_PER_S``, ...) are set so
-that the accept split fits in about 20-25 minutes on 2 cores; long answers at high capacity
-are what costs most (the window is counted in request lifetimes).
+that the accept split (~3.3x the tune split's work) takes about 15 minutes on 2 idle cores
+(the tune split took 546 CPU-s; 9 minutes on 2 cores shared at load average 5, so ~30 for
+accept on such a machine); long answers at high capacity cost most (the window is counted in
+request lifetimes).
 """
 
 from __future__ import annotations
@@ -359,6 +361,12 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{sum(1 for r in rows if not r['ttft_ratio'] <= MAX_TTFT_P99)}; "
         f"with a ratio that could not be measured: {len(unmeasured)}. Throughput failures by "
         f"more than their case's window noise: {sum(1 for r in rows if beyond_noise(r))}.",
+        "",
+        "Throughput ratios above 1 measure the comparison's own noise: the adaptive limit can "
+        "only beat the best fixed limit by being measured in another window or engine state "
+        "(a pp engine's micro-batch occupancy can settle differently after a different start "
+        "and switch regimes after minutes). Window noise: the direct run's throughput in the "
+        "window after its measurement window, relative.",
         "",
         f"### The {WORST} worst cases (smallest margin to the bar)",
         "",
