@@ -260,7 +260,8 @@ class AdaptiveLimit:
         #: share of our in-flight requests that are always in prefill at this backend, learned
         #: from what still waits after a cut (see ``_check_cut``)
         self.prefill_share = 0.0
-        self._cut: tuple[int, float] | None = None  # (level, waiting) a cut was decided at
+        #: (level, waiting, state before) of a cut decided on our own count alone
+        self._cut: tuple[int, float, Phase] | None = None
         self._least_excess = math.inf  # over those windows
         self._open = 0  # judged windows in a row at a probe without a queue
         self._demand_since: float | None = None  # demand above a held limit since
@@ -322,7 +323,7 @@ class AdaptiveLimit:
             self._demand_since = w.start
         if w.end - self._demand_since >= self.settings.probe_every_s:
             nxt = self._probe_level()
-            if w.max_running is not None and self._limit >= w.max_running:
+            if w.max_running is not None and self._limit >= self.ready(w.max_running):
                 return None  # the server runs no more than it said: a probe could only queue
             if nxt > self._limit:
                 self._phase = Phase.PROBE
@@ -365,37 +366,41 @@ class AdaptiveLimit:
         in prefill (or more, if the cut left some queue: an overestimate errs towards a higher
         limit); it is discounted from now on, and the cut is redone with it: at the level cut
         from, only the waiting beyond that share was a queue."""
-        level, waiting = self._cut  # type: ignore[misc]
+        level, waited, before = self._cut  # type: ignore[misc]
         self._cut = None
-        self.prefill_share = min(MAX_PREFILL_SHARE, w.awaiting_min / max(w.in_flight, 1e-9))
-        queue = self._queued(waiting, level)
-        redo = self._clamp(math.floor(level - queue))
+        kept = self._limit - (self.capacity or self._limit)  # ready in its queue on purpose
+        waiting = max(0.0, w.awaiting_min - kept)
+        self.prefill_share = min(MAX_PREFILL_SHARE, waiting / max(w.in_flight - kept, 1e-9))
+        queue = self._queued(waited, level)
+        runs = max(1, math.floor(level - queue))
+        redo = self._clamp(min(level, self.ready(runs)))
         if redo <= self._limit:
             return None
         self._full, self._least_excess = 0, math.inf
-        self.capacity = redo
-        self._phase = Phase.HOLD
+        self.capacity = runs
+        # The cut was (partly) a misreading: carry on in the state it interrupted.
+        self._phase = before
         self._demand_since = None
         return self._set(redo, w, Code.PREFILL, excess=queue)
 
     def _full_at(self, w: Window) -> Decision | None:
-        runs = math.floor(w.in_flight - self._least_excess)
-        cap = self._clamp(min(self._limit - 1, runs))
+        runs = max(1, math.floor(w.in_flight - self._least_excess))
+        new = self._clamp(min(self._limit - 1, self.ready(runs)))
         excess = self._least_excess
-        if w.queue_reqs is None and cap < self._limit:  # judged on our own count alone
-            self._cut = (self._limit, w.awaiting_min)
+        if w.queue_reqs is None and new < self._limit:  # judged on our own count alone
+            self._cut = (self._limit, w.awaiting_min, self._phase)
         self._full, self._least_excess = 0, math.inf
-        self.capacity = cap
+        self.capacity = runs
         self._phase = Phase.HOLD
         self._demand_since = None
-        return self._set(cap, w, Code.FULL, excess=excess)
+        return self._set(new, w, Code.FULL, excess=excess)
 
     def _grow(self, w: Window, code: Code) -> Decision | None:
         level = self._limit
         nxt = max(2 * level, level + w.backlog)
         if w.max_running is not None:
             # The server runs at most this many: more would only wait inside it.
-            nxt = min(nxt, max(level, w.max_running))
+            nxt = min(nxt, max(level, self.ready(w.max_running)))
         return self._set(self._clamp(nxt), w, code)
 
     def _restart(self, w: Window) -> Decision | None:
@@ -436,9 +441,19 @@ class AdaptiveLimit:
         p = self.prefill_share
         return max(0.0, (waiting - p * in_flight) / (1.0 - p))
 
-    def _tolerance(self) -> float:
+    def ready(self, runs: int) -> int:
+        """The limit for a backend that runs ``runs`` at once: that many plus a few ready in its
+        own queue (fewer than count as full), so that a seat freed is refilled in the engine's
+        next step rather than after the proxy's round trip, which on fast engines is longer.
+        Sending straight keeps the backend's queue full; this keeps it just non-empty."""
+        return runs + max(0, math.ceil(self._tolerance_at(runs)) - 1)
+
+    def _tolerance_at(self, level: int) -> float:
         s = self.settings
-        return max(s.queue_tolerance, s.queue_share * self._limit)
+        return max(s.queue_tolerance, s.queue_share * level)
+
+    def _tolerance(self) -> float:
+        return self._tolerance_at(self._limit)
 
     def _probe_level(self) -> int:
         """``probe_step`` above the limit, and at least enough that, if the capacity did not

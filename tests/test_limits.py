@@ -63,16 +63,18 @@ def test_settings_reject_nonsense():
 @pytest.mark.parametrize("cap", [3, 8, 24, 64, 100, 333, 1024])
 @pytest.mark.parametrize("scraped", [True, False])
 def test_converges_to_the_backends_capacity(cap, scraped):
-    """Whatever the engine's cap, the limit ends at what it runs: never below (throughput lost),
-    and above only while a probe checks whether it grew."""
+    """Whatever the engine's cap, the limit ends at what it runs plus the few kept ready in its
+    queue (fewer than count as full): never below (throughput lost), and above only while a
+    probe checks whether the capacity grew."""
     lim = adaptive(floor=1)
     history = drive(lim, BatchModel(max_running=cap, scraped=scraped), 120)
-    assert lim.capacity == cap
-    assert min(history[60:]) == cap
-    held = sum(1 for x in history[60:] if x == cap) / len(history[60:])
+    ready = lim.ready(cap)
+    assert lim.capacity == cap and cap < ready <= cap + max(1, 0.05 * cap)
+    assert min(history[60:]) == ready
+    held = sum(1 for x in history[60:] if x == ready) / len(history[60:])
     assert held >= 0.75
-    # a probe is +25%, and at least enough to be seen over the tolerance of 2 waiting
-    assert max(history[60:]) <= cap + max(round(cap * 0.25), 3)
+    # a probe is +25%, and at least enough to be seen over the tolerance
+    assert max(history[60:]) <= ready + max(round(ready * 0.25), 3)
 
 
 def test_reaches_capacity_within_ten_windows_from_the_floor():
@@ -112,7 +114,7 @@ def test_full_needs_consecutive_windows_and_cuts_to_what_the_backend_runs():
     )
     assert [d.code for d in decisions] == [Code.FULL]
     d = decisions[0]
-    assert d.before == 100 and d.after == 70 and d.excess == 30.0
+    assert d.before == 100 and d.after == lim.ready(70) == 73 and d.excess == 30.0
     assert lim.capacity == 70 and lim.phase is Phase.HOLD
 
 
@@ -141,8 +143,9 @@ def test_without_sglangs_gauge_what_still_waits_after_a_cut_is_prefill(share):
     history = drive(lim, BatchModel(max_running=400, prefill_share=share, scraped=False), 90)
     assert any(d.code is Code.PREFILL for d in lim.history)
     assert lim.prefill_share == pytest.approx(share, abs=0.05)
-    assert min(history[45:]) >= 400
-    assert lim.capacity is not None and 400 <= lim.capacity <= 400 * (1 + share)
+    # the limit, with the few it keeps ready, never holds the backend below what it runs
+    assert min(history[60:]) >= 400
+    assert lim.capacity is not None and 0.95 * 400 <= lim.capacity <= 400 * (1 + share)
 
 
 def test_a_stale_gauge_alone_does_not_cut_when_nobody_of_ours_waits():
@@ -159,7 +162,7 @@ def test_non_streamed_traffic_is_judged_by_sglangs_queue():
         for i in range(FULL_WINDOWS)
     ]
     assert [d.code for d in feed(lim, windows)] == [Code.FULL]
-    assert lim.limit == 40
+    assert lim.capacity == 40 and lim.limit == lim.ready(40) == 41
 
 
 def test_another_proxys_requests_in_the_queue_are_not_ours_to_shed():
@@ -172,23 +175,23 @@ def test_another_proxys_requests_in_the_queue_are_not_ours_to_shed():
     ]
     decisions = feed(lim, windows)
     # our share of the 20 queued: 60 / 120 -> 10 (our own count says 15: the smaller decides)
-    assert decisions[-1].code is Code.FULL and lim.limit == 50
+    assert decisions[-1].code is Code.FULL and lim.capacity == 50
 
 
 def test_probes_above_a_held_capacity_under_demand_and_returns_when_still_full():
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40)
     drive(lim, model, 30)
-    assert lim.capacity == 40 and lim.limit == 40
+    assert lim.capacity == 40 and lim.limit == lim.ready(40) == 41
     held_at = lim.decision.at
     t = 30
     while (d := lim.update(model.window(lim.limit, t))) is None:
         t += 1
     # demand waited in the proxy all along: the probe comes probe_every_s after the hold began
-    assert d.code is Code.PROBE and d.after == 50 and lim.phase is Phase.PROBE  # +25%
+    assert d.code is Code.PROBE and d.after == 51 and lim.phase is Phase.PROBE  # +25%
     assert lim.settings.probe_every_s <= d.at - held_at <= lim.settings.probe_every_s + 1
     decisions = feed(lim, [model.window(lim.limit, t + 1 + i) for i in range(FULL_WINDOWS)])
-    assert [d.code for d in decisions] == [Code.FULL] and lim.limit == 40
+    assert [d.code for d in decisions] == [Code.FULL] and lim.limit == 41
 
 
 def test_a_probe_that_finds_no_queue_grows_again():
@@ -205,9 +208,9 @@ def test_a_probe_that_finds_no_queue_grows_again():
 def test_no_probe_without_requests_waiting_in_the_proxy():
     lim = adaptive(floor=1)
     drive(lim, BatchModel(max_running=40), 30)
-    assert lim.limit == 40
-    drive(lim, BatchModel(max_running=40, demand=40), 60)
-    assert lim.limit == 40 and lim.decision.code is Code.FULL
+    assert lim.limit == 41
+    drive(lim, BatchModel(max_running=40, demand=41), 60)
+    assert lim.limit == 41 and lim.decision.code is Code.FULL
 
 
 def test_errors_back_off():
@@ -261,7 +264,7 @@ def test_snapshot_and_decision_are_structured():
     lim = adaptive(floor=1)
     drive(lim, BatchModel(max_running=40), 30)
     snap = lim.snapshot()
-    assert snap["limit"] == 40 and snap["capacity"] == 40 and snap["phase"] == "hold"
+    assert snap["limit"] == 41 and snap["capacity"] == 40 and snap["phase"] == "hold"
     assert snap["decision"] == "full"
     assert str(lim.decision).startswith("full ")
 
@@ -271,17 +274,17 @@ def test_a_growth_step_stops_where_the_server_says_it_runs_no_more():
     nothing to recall), however much waits in the proxy."""
     lim = adaptive(floor=8)
     d = lim.update(dataclasses.replace(win(8, 0.0, backlog=200), max_running=64))
-    assert d is not None and d.code is Code.GROW and d.after == 64
-    assert lim.update(dataclasses.replace(win(64, 1.0, backlog=150), max_running=64)) is None
-    assert lim.limit == 64
+    assert d is not None and d.code is Code.GROW and d.after == lim.ready(64) == 67
+    assert lim.update(dataclasses.replace(win(67, 1.0, backlog=150), max_running=64)) is None
+    assert lim.limit == 67
 
 
 def test_no_probe_at_or_above_what_the_server_says_it_runs():
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40)
     drive(lim, model, 30)
-    assert lim.limit == 40
-    windows = [dataclasses.replace(model.window(40, 30 + i), max_running=40) for i in range(60)]
+    assert lim.limit == 41
+    windows = [dataclasses.replace(model.window(41, 30 + i), max_running=40) for i in range(60)]
     assert feed(lim, windows) == []
 
 
