@@ -19,6 +19,7 @@ import socket
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
@@ -191,6 +192,15 @@ class Proxy:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         t_arrive = time.monotonic()
         path = request.path
+        target = _origin_target(request.raw_path, path)
+        if target is None:
+            return self._reject(
+                400,
+                "the request target must be a path (origin-form), e.g. /v1/chat/completions",
+                "invalid_target",
+                "other",
+                os.urandom(12).hex(),
+            )
         route = ROUTES.get(path)
         if route is None:
             if path in OWN:
@@ -266,6 +276,7 @@ class Proxy:
         return await self.forwarder.forward(  # type: ignore[union-attr]
             request,
             body,
+            target=target,
             route=label,
             api=route.api if route else None,
             streamed=streamed,
@@ -401,12 +412,37 @@ def _key_in(key: bytes | None, keys: list[bytes]) -> bool:
     return found
 
 
+#: characters left unescaped when a decoded path is quoted again (RFC 3986 pchar and "/")
+_PATH_SAFE = "/!$&'()*+,;=:@-._~"
+
+
+def _origin_target(raw: str, path: str) -> str | None:
+    """What is sent upstream: the path and query of an origin-form request target, or None.
+
+    Absolute-form (``http://host/...``), authority-form (``host:443``), asterisk-form (``*``),
+    a path starting ``//``, dot segments, fragments and non-ASCII bytes are refused. The path
+    forwarded is the one the proxy matched its routes against (decoded, quoted again), so a
+    backend never routes on a different path than the proxy checked.
+    """
+    if not raw.startswith("/") or raw.startswith("//") or not raw.isascii() or "#" in raw:
+        return None
+    raw_path, sep, query = raw.partition("?")
+    if "%" not in raw_path and "/." not in raw_path:
+        return raw  # nothing encoded, no dot segment: already what was matched
+    if not path.startswith("/") or path.startswith("//"):
+        return None
+    segments = path.split("/")
+    if "." in segments or ".." in segments:
+        return None
+    return quote(path, safe=_PATH_SAFE) + sep + query
+
+
 def _json_object(body: bytes) -> tuple[dict, None] | tuple[None, str]:
     """The request body as a JSON object, or what is wrong with it."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        return None, f"request body is not valid JSON: {e}"
+        return None, f"request body is not valid JSON (line {e.lineno}, column {e.colno})"
     if not isinstance(obj, dict):
         return None, "request body must be a JSON object"
     return obj, None
@@ -435,8 +471,6 @@ class _Handler(RequestHandler):
                 status, text, code = 431, "request headers too large", "headers_too_large"
             elif isinstance(exc, http_exceptions.BadHttpMethod):
                 status, text, code = 405, "unsupported HTTP method", "method_not_allowed"
-            elif exc is not None:
-                text = f"malformed request: {getattr(exc, 'message', None) or type(exc).__name__}"
             resp = error_response(status, text, code)
         resp.force_close()
         return resp

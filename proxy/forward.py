@@ -30,6 +30,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from proxy.backends import Backend, BackendPool
 from proxy.errors import JSON, error_response, sse_error
@@ -73,6 +74,8 @@ class Lease:
 Acquire = Callable[[frozenset[str], bool], Awaitable[Any]]
 #: Failure kind of a request recalled from a backend that queued it (see _Pending)
 RECALLED = "recalled"
+#: Failure kind of an exception on the proxy's own side (never held against a backend)
+LOCAL = "proxy_error"
 
 
 @dataclass(slots=True)
@@ -170,6 +173,7 @@ class Forwarder:
         request: web.BaseRequest,
         body: bytes | None,
         *,
+        target: str,
         route: str,
         api: Api | None,
         streamed: bool = False,
@@ -179,8 +183,9 @@ class Forwarder:
         on_reject: Callable[[BaseException], web.Response | None],
     ) -> web.StreamResponse:
         """``acquire(exclude, recalled)`` returns a lease or raises (``on_reject`` turns that
-        into a response, or returns None to re-raise). ``streamed``: the client asked for a
-        stream (such a request can be recalled before its first token, see _Pending)."""
+        into a response, or returns None to re-raise). ``target``: the origin-form path and
+        query sent upstream. ``streamed``: the client asked for a stream (such a request can be
+        recalled before its first token, see _Pending)."""
         rid_headers = {self._rid_header: request_id}
         excluded: set[str] = set()
         last: Failure | None = None
@@ -208,6 +213,7 @@ class Forwarder:
                     request,
                     body,
                     backend,
+                    target=target,
                     api=api,
                     streamed=streamed,
                     route=route,
@@ -273,6 +279,7 @@ class Forwarder:
         body: bytes | None,
         b: Backend,
         *,
+        target: str,
         api: Api | None,
         streamed: bool,
         route: str,
@@ -283,7 +290,7 @@ class Forwarder:
         pending = _Pending(b.stats, time.monotonic(), streamed)
         try:
             return await self._exchange(
-                request, body, b, headers, pending, api, route, request_id, t_arrive
+                request, body, b, target, headers, pending, api, route, request_id, t_arrive
             )
         finally:
             pending.answered()
@@ -293,6 +300,7 @@ class Forwarder:
         request: web.BaseRequest,
         body: bytes | None,
         b: Backend,
+        target: str,
         headers: CIMultiDict,
         pending: _Pending,
         api: Api | None,
@@ -300,7 +308,7 @@ class Forwarder:
         request_id: str,
         t_arrive: float,
     ) -> web.StreamResponse | Failure:
-        url = b.url + request.raw_path
+        url = URL(b.url + target, encoded=True)
         t_send = pending.t_send
         deadline = t_send + self._t.total_s
         bm = self.metrics.backend(b.name)
@@ -332,7 +340,7 @@ class Forwarder:
             task = asyncio.current_task()
             if pending.recalled and task is not None and task.uncancel() == 0:
                 return Failure(
-                    RECALLED, 503, f"recalled from {b.name}", "upstream_recalled", retryable=True
+                    RECALLED, 503, "recalled from its backend", "upstream_recalled", retryable=True
                 )
             bm.disconnects.inc()
             raise
@@ -342,8 +350,12 @@ class Forwarder:
             return self._fail(b, "first_byte_timeout", 504, "upstream sent no response in time")
         except aiohttp.ClientConnectorError:
             return self._fail(b, "connect", 502, "could not connect to the backend")
-        except (aiohttp.ClientError, OSError) as e:
-            return self._fail(b, "disconnect", 502, f"backend closed the connection ({e})")
+        except aiohttp.InvalidURL as e:  # the proxy's own doing, not the backend's
+            return self._local_failure(e, request_id)
+        except (aiohttp.ClientError, OSError):
+            return self._fail(b, "disconnect", 502, "backend closed the connection")
+        except Exception as e:
+            return self._local_failure(e, request_id)
 
         try:
             if resp.status in self._retry_statuses:
@@ -360,11 +372,20 @@ class Forwarder:
             resp.close() if not resp.closed and not _done(resp) else resp.release()
 
     def _fail(self, b: Backend, kind: str, status: int, message: str) -> Failure:
+        """A failure of the backend's: counted against its health and in its stats. The
+        message names no backend (the response's backend header does) and no exception."""
         self.metrics.upstream_errors.labels(b.name, kind).inc()
         self.health.record_failure(b, kind)
         b.stats.observe_completion(False, kind)
         code = "upstream_timeout" if kind.endswith("timeout") else "upstream_error"
-        return Failure(kind, status, f"{message} ({b.name})", code, retryable=True)
+        return Failure(kind, status, message, code, retryable=True)
+
+    @staticmethod
+    def _local_failure(e: BaseException, request_id: str) -> Failure:
+        """An exception on the proxy's own side before anything reached the backend: never
+        the backend's fault (no health, no stats, no retry); logged once, 500 to the client."""
+        log.error("request %s: local error before sending upstream", request_id, exc_info=e)
+        return Failure(LOCAL, 500, "internal proxy error", "internal_error", retryable=False)
 
     async def _upstream_5xx(
         self, b: Backend, resp: aiohttp.ClientResponse, deadline: float
@@ -519,7 +540,7 @@ class Forwarder:
             code = "upstream_timeout" if failure.endswith("timeout") else "upstream_error"
             status = 504 if failure.endswith("timeout") else 502
             with contextlib.suppress(ConnectionError):
-                await out.write(tail + sse_error(f"{message} ({b.name})", status=status, code=code))
+                await out.write(tail + sse_error(message, status=status, code=code))
         else:
             self.health.record_success(b)
         with contextlib.suppress(ConnectionError):

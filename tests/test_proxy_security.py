@@ -1,0 +1,134 @@
+"""Attacks on the proxy, each reproduced on real sockets (issue 15): no client can take a backend
+out of service, reach what it should not, or make the proxy fail in ways it should not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+from proxy_support import MODEL, fakes, running_proxy
+
+from proxy.backends import State
+
+
+async def _raw(port: int, data: bytes, within: float = 10.0) -> bytes:
+    """Send raw bytes, read until the proxy closes the connection (``Connection: close``)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), within)
+    finally:
+        writer.close()
+
+
+def _status_and_body(out: bytes) -> tuple[int, bytes]:
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def _error(body: bytes) -> dict:
+    err = orjson.loads(body)["error"]
+    assert {"message", "type", "code"} <= set(err), err
+    return err
+
+
+async def _post(url: str, body: dict, headers: dict | None = None):
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url, data=orjson.dumps(body), headers=headers) as r,
+    ):
+        return r, await r.read()
+
+
+async def _get(url: str, headers: dict | None = None):
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        return r, await r.read()
+
+
+# ---- 1: request targets, local errors, what error bodies show ------------------------------
+
+
+async def test_non_origin_form_targets_are_400_and_never_eject_a_backend():
+    async with (
+        fakes(1) as (up,),
+        running_proxy([up.url], health={"interval_s": 30, "passive_failures": 2}) as px,
+    ):
+        (b,) = px.proxy.pool.all()
+        targets = [
+            b"GET http://127.0.0.1:1/get_model_info HTTP/1.1",
+            b"POST http://127.0.0.1:1/v1/chat/completions HTTP/1.1",
+            b"GET //127.0.0.1:1/get_model_info HTTP/1.1",
+            b"OPTIONS * HTTP/1.1",
+            b"GET /v1/models/%2E%2E/%2E%2E/get_model_info HTTP/1.1",
+        ]
+        for _ in range(3):
+            for line in targets:
+                body = orjson.dumps({"model": MODEL, "messages": []})
+                out = await _raw(
+                    px.port,
+                    line + b"\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json"
+                    b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+                )
+                status, err = _status_and_body(out)
+                assert status == 400, (line, out)
+                assert _error(err)["code"] == "invalid_target"
+        assert up.requests == []
+        assert b.state is State.HEALTHY and b.consecutive_failures == 0
+        r, _ = await _post(px.url + "/v1/chat/completions", {"model": MODEL, "messages": []})
+        assert r.status == 200
+        metrics = (await _get(px.url + "/metrics"))[1].decode()
+        assert "pipefill_upstream_errors_total{" not in metrics
+        assert "pipefill_backend_ejections_total{" not in metrics
+
+
+async def test_a_local_error_is_500_and_never_counts_against_the_backend(monkeypatch):
+    """An exception raised on the proxy's side (here: an invalid upstream URL) is the proxy's
+    fault: no retry, no health change, no backend stats, and its text stays in the log."""
+    async with (
+        fakes(2) as ups,
+        running_proxy([u.url for u in ups], health={"interval_s": 30, "passive_failures": 2}) as px,
+    ):
+        session = px.proxy.forwarder.session
+
+        async def broken(*args, **kwargs):
+            raise aiohttp.InvalidURL("http://secret-host:1234/oops")
+
+        monkeypatch.setattr(session, "request", broken)
+        for _ in range(4):
+            r, body = await _post(px.url + "/v1/chat/completions", {"model": MODEL, "messages": []})
+            assert r.status == 500
+            err = _error(body)
+            assert err["code"] == "internal_error"
+            assert b"secret-host" not in body and b"127.0.0.1" not in body
+        for b in px.proxy.pool.all():
+            assert b.state is State.HEALTHY and b.consecutive_failures == 0
+            assert b.stats.snapshot()["awaiting_first_token"] == 0
+        metrics = (await _get(px.url + "/metrics"))[1].decode()
+        assert "pipefill_upstream_errors_total{" not in metrics
+        assert "pipefill_retries_total{" not in metrics
+        assert sum(len(u.requests) for u in ups) == 0
+
+
+async def test_error_bodies_never_show_backend_addresses():
+    async with fakes(1) as (up,), running_proxy([up.url], retries={"max_attempts": 1}) as px:
+        # the backend closes the connection before its first chunk: a 502 made by the proxy
+        r, body = await _post(
+            px.url + "/v1/completions",
+            {"model": MODEL, "prompt": "x", "stream": True},
+            headers={"X-Fake-Die-After": "0"},
+        )
+        assert r.status == 502
+        assert _error(body)["code"] == "upstream_error"
+        assert str(up.port).encode() not in body and b"127.0.0.1" not in body
+        # ... and after its first chunk: the SSE error event
+        r, body = await _post(
+            px.url + "/v1/chat/completions",
+            {"model": MODEL, "messages": [], "stream": True, "max_tokens": 5},
+            headers={"X-Fake-Die-After": "2"},
+        )
+        assert r.status == 200
+        events = [e for e in body.split(b"\n\n") if e]
+        assert _error(events[-2].removeprefix(b"data: "))["code"] == "upstream_error"
+        assert str(up.port).encode() not in body and b"127.0.0.1" not in body
