@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -26,6 +25,7 @@ import orjson
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
+from proxy import routes
 from proxy.admission import Admission, NoHealthyBackend, QueueFull, QueueTimeout
 from proxy.backends import Backend, BackendPool, State, default_limit_factory
 from proxy.errors import JSON, error_response
@@ -33,42 +33,17 @@ from proxy.forward import Forwarder
 from proxy.health import Health
 from proxy.metrics import CONTENT_TYPE, Metrics, register_adapt_metrics
 from proxy.policies import make_policy
+from proxy.routes import ADMITTED, Access
 from proxy.scrape import Scraper
 from proxy.settings import BackendSettings, Settings
-from proxy.sse import Api
 
 log = logging.getLogger("pipefill")
 
-POST = frozenset({"POST"})
-POST_PUT = frozenset({"POST", "PUT"})
-PASS_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "HEAD"})
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    api: Api | None  # how to read its SSE events (None: relay only)
-    methods: frozenset[str]
-    admitted: bool = True  # goes through the queue and the limits
-
-
-ROUTES: dict[str, Route] = {
-    "/v1/chat/completions": Route("chat", POST),
-    "/v1/completions": Route("completions", POST),
-    "/generate": Route("generate", POST_PUT),
-    "/v1/embeddings": Route(None, POST),
-    "/v1/rerank": Route(None, POST_PUT),
-    "/v1/score": Route(None, POST),
-    "/v1/classify": Route(None, POST),
-    "/v1/responses": Route(None, POST),
-    "/encode": Route(None, POST_PUT),
-    "/classify": Route(None, POST_PUT),
-    "/invocations": Route("chat", POST),
-}
 OWN = frozenset({"/health", "/metrics", "/v1/models"})
 
 
 class _DirectLease:
-    """Pass-through routes (model info, loads, ...) bypass the queue and hold no slot."""
+    """Passed and admin routes (model info, server info, ...) bypass the queue, hold no slot."""
 
     __slots__ = ("backend",)
 
@@ -201,7 +176,7 @@ class Proxy:
                 "other",
                 os.urandom(12).hex(),
             )
-        route = ROUTES.get(path)
+        route = ADMITTED.get(path)
         if route is None:
             if path in OWN:
                 resp = await self._own(request, path)
@@ -209,10 +184,13 @@ class Proxy:
                     return resp  # else: /v1/models not known yet, ask a backend
             if path.startswith("/admin/") or path == "/admin":
                 return await self.admin.handle(request)
+            route = routes.lookup(path)
         rid = request.headers.get(self._rid_header) or os.urandom(12).hex()
-        label = path if route is not None else "other"
+        if route is None:
+            return self._reject(404, f"no such route: {path[:200]}", "not_found", "other", rid)
+        label = path if route.admitted else "other"
         method = request.method
-        if route is not None and method not in route.methods:
+        if method not in route.methods:
             return self._reject(
                 405,
                 f"method {method} not allowed on {path}",
@@ -221,17 +199,21 @@ class Proxy:
                 rid,
                 allow=", ".join(sorted(route.methods)),
             )
-        if route is None and method not in PASS_METHODS:
-            return self._reject(
-                405,
-                f"method {method} not supported",
-                "method_not_allowed",
-                label,
-                rid,
-                allow=", ".join(sorted(PASS_METHODS)),
-            )
         key = self._client_key(request)
-        if self._api_keys and not _key_in(key, self._api_keys):
+        if route.access is Access.ADMIN:
+            if self._admin_key is None:
+                return self._reject(
+                    403,
+                    "admin routes are disabled: set server.admin_key",
+                    "admin_disabled",
+                    label,
+                    rid,
+                )
+            if key is None or not hmac.compare_digest(key, self._admin_key):
+                return self._reject(
+                    401, "invalid or missing admin key", "invalid_admin_key", label, rid
+                )
+        elif self._api_keys and not _key_in(key, self._api_keys):
             return self._reject(
                 401,
                 "invalid or missing API key (Authorization: Bearer ...)",
@@ -249,12 +231,12 @@ class Proxy:
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 return self._too_large(label, rid)
-            if route is not None and body:
+            if route.admitted and body:
                 obj, bad = _json_object(body)
                 if obj is None:
                     return self._reject(400, str(bad), "invalid_json", label, rid)
                 streamed = route.api is not None and obj.get("stream") is True
-        if route is not None and not body:
+        if route.admitted and not body:
             return self._reject(
                 400, "request body must be a JSON object", "invalid_json", label, rid
             )
@@ -262,7 +244,25 @@ class Proxy:
             log.info(
                 "request %s %s %s body=%s", rid, method, path, body[:4096].decode(errors="replace")
             )
-        if route is not None and route.admitted:
+        if route.access is Access.ADMIN:
+            named = request.headers.get(self.settings.server.backend_header)
+            if named is not None and named not in self.pool:
+                return self._reject(404, "no backend of that name", "backend_not_found", label, rid)
+            if route.fanout:
+                return await self.forwarder.fan_out(  # type: ignore[union-attr]
+                    request,
+                    body,
+                    target=target,
+                    backends=[
+                        b for b in self.pool.all() if not b.removing and named in (None, b.name)
+                    ],
+                    request_id=rid,
+                )
+            if named is not None:
+                acquire = self._named_acquire(named)
+            else:
+                acquire = self._direct_acquire
+        elif route.admitted:
             priority = self._priority(request, key)
 
             def acquire(exclude: frozenset[str], recalled: bool = False) -> Any:
@@ -278,7 +278,7 @@ class Proxy:
             body,
             target=target,
             route=label,
-            api=route.api if route else None,
+            api=route.api,
             streamed=streamed,
             acquire=acquire,
             request_id=rid,
@@ -294,6 +294,17 @@ class Proxy:
         if not healthy:
             raise NoHealthyBackend()
         return _DirectLease(healthy[next(self._rr) % len(healthy)])
+
+    def _named_acquire(self, name: str) -> Any:
+        """Admin routes sent to the backend named in the request's backend header."""
+
+        async def acquire(exclude: frozenset[str], recalled: bool = False) -> _DirectLease:
+            b = self.pool.get(name)
+            if b is None or name in exclude:
+                raise NoHealthyBackend()
+            return _DirectLease(b)
+
+        return acquire
 
     def _admission_error(self, e: BaseException) -> web.Response | None:
         if isinstance(e, QueueFull):

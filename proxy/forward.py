@@ -33,7 +33,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from proxy.backends import Backend, BackendPool
-from proxy.errors import JSON, error_response, sse_error
+from proxy.errors import JSON, error_object, error_response, sse_error
 from proxy.health import Health
 from proxy.metrics import Metrics
 from proxy.settings import Settings
@@ -164,7 +164,8 @@ class Forwarder:
         self._retry_statuses = frozenset(settings.retries.retry_statuses)
         self._backend_header = settings.server.backend_header
         self._rid_header = settings.server.request_id_header
-        self._strip_auth = bool(settings.server.api_keys)
+        # With keys set the Authorization header is the proxy's: never sent upstream.
+        self._strip_auth = bool(settings.server.api_keys or settings.server.admin_key)
 
     # ---- the retry loop ----------------------------------------------------------------
 
@@ -249,6 +250,64 @@ class Forwarder:
         name = backend.name if backend is not None else "none"
         self.metrics.requests.labels(name, route, str(resp.status)).inc()
         return resp
+
+    # ---- admin calls meant for the whole fleet -----------------------------------------
+
+    async def fan_out(
+        self,
+        request: web.BaseRequest,
+        body: bytes | None,
+        *,
+        target: str,
+        backends: list[Backend],
+        request_id: str,
+    ) -> web.Response:
+        """Send one admin call to every backend in ``backends`` at once; answer with what each
+        said: ``{"ok": bool, "backends": {name: {"status", "body"} | {"status": null,
+        "error"}}}``, 200 when every backend answered 2xx, else 502 with an OpenAI-shaped
+        ``error`` beside the per-backend detail. Neither health nor stats see these calls."""
+
+        async def one(b: Backend) -> dict[str, Any]:
+            headers = self._upstream_headers(request, b, request_id)
+            url = URL(b.url + target, encoded=True)
+            try:
+                async with asyncio.timeout(self._t.total_s):
+                    async with self.session.request(
+                        request.method, url, data=body, headers=headers, allow_redirects=False
+                    ) as resp:
+                        data = await resp.content.read(FANOUT_BODY_CAP + 1)
+                        ctype = resp.headers.get("Content-Type", "")
+                        return {"status": resp.status, **_fanout_body(data, ctype)}
+            except TimeoutError:
+                return {"status": None, "error": "timed out"}
+            except (aiohttp.ClientError, OSError):
+                return {"status": None, "error": "could not reach the backend"}
+            except Exception as e:  # the proxy's own fault: logged, never the backend's
+                log.error(
+                    "request %s: fan-out to %s failed locally", request_id, b.name, exc_info=e
+                )
+                return {"status": None, "error": "internal proxy error"}
+
+        results = await asyncio.gather(*(one(b) for b in backends))
+        answers = {b.name: r for b, r in zip(backends, results, strict=True)}
+        failed = [n for n, r in answers.items() if not (r["status"] and 200 <= r["status"] < 300)]
+        out: dict[str, Any] = {"ok": not failed and bool(answers), "backends": answers}
+        status = 200
+        if failed or not answers:
+            status = 502
+            message = (
+                f"{len(failed)} of {len(answers)} backends did not succeed"
+                if answers
+                else "no backend to send to"
+            )
+            out["error"] = error_object(message, status=502, code="fanout_failed")
+        self.metrics.requests.labels("none", "other", str(status)).inc()
+        return web.Response(
+            status=status,
+            body=orjson.dumps(out),
+            content_type=JSON,
+            headers={self._rid_header: request_id},
+        )
 
     # ---- one attempt -------------------------------------------------------------------
 
@@ -629,6 +688,26 @@ def _response_headers(src: CIMultiDictProxy[str]) -> CIMultiDict:
     for k, v in src.items():
         if k.lower() not in drop:
             out.add(k, v)
+    return out
+
+
+#: bytes of each backend's answer a fan-out reads (the rest is cut, and it says so)
+FANOUT_BODY_CAP = 64 * 1024
+
+
+def _fanout_body(data: bytes, ctype: str) -> dict[str, Any]:
+    truncated = len(data) > FANOUT_BODY_CAP
+    data = data[:FANOUT_BODY_CAP]
+    out: dict[str, Any] = {}
+    if ctype.startswith("application/json") and not truncated:
+        try:
+            out["body"] = orjson.loads(data)
+            return out
+        except orjson.JSONDecodeError:
+            pass
+    out["body"] = data.decode("utf-8", errors="replace")
+    if truncated:
+        out["truncated"] = True
     return out
 
 

@@ -132,3 +132,97 @@ async def test_error_bodies_never_show_backend_addresses():
         events = [e for e in body.split(b"\n\n") if e]
         assert _error(events[-2].removeprefix(b"data: "))["code"] == "upstream_error"
         assert str(up.port).encode() not in body and b"127.0.0.1" not in body
+
+
+# ---- 2: an allow-list of forwarded routes ---------------------------------------------------
+
+
+async def test_unknown_routes_are_404_and_never_forwarded():
+    async with fakes(1) as (up,), running_proxy([up.url]) as px:
+        for method, path in [
+            ("GET", "/no_such_route"),
+            ("POST", "/open_session"),
+            ("GET", "/openapi.json"),
+            ("DELETE", "/v1/models"),
+            ("POST", "/sim/faults"),
+        ]:
+            async with aiohttp.ClientSession() as s, s.request(method, px.url + path) as r:
+                body = await r.read()
+                assert r.status in (404, 405), (method, path)
+                _error(body)
+        assert up.requests == []
+
+
+async def test_management_routes_need_the_admin_key():
+    async with (
+        fakes(1) as (up,),
+        running_proxy([up.url], server={"api_keys": ["client"], "admin_key": "admin"}) as px,
+    ):
+        client = {"Authorization": "Bearer client"}
+        for method, path in [
+            ("POST", "/flush_cache"),
+            ("POST", "/abort_request"),
+            ("GET", "/get_server_info"),
+            ("GET", "/server_info"),
+            ("POST", "/update_weights_from_disk"),
+            ("POST", "/start_profile"),
+            ("POST", "/pause_generation"),
+            ("POST", "/load_lora_adapter"),
+            ("POST", "/init_weights_update_group"),
+        ]:
+            for headers in (client, {}):
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.request(method, px.url + path, json={}, headers=headers) as r,
+                ):
+                    assert r.status == 401, (method, path)
+                    assert _error(await r.read())["code"] == "invalid_admin_key"
+        assert up.requests == []
+        # read-only information passes with a client key
+        r, body = await _get(px.url + "/get_model_info", headers=client)
+        assert r.status == 200 and orjson.loads(body)["served_by"] == "fake0"
+        # the admin key opens them, and is not sent upstream
+        r, body = await _get(px.url + "/get_server_info", headers={"Authorization": "Bearer admin"})
+        assert r.status == 200 and orjson.loads(body)["served_by"] == "fake0"
+        assert "Authorization" not in up.requests[-1]["headers"]
+    async with fakes(1) as (up,), running_proxy([up.url]) as px:  # open mode, no admin key
+        r, body = await _post(px.url + "/flush_cache", {})
+        assert r.status == 403 and _error(body)["code"] == "admin_disabled"
+        r, body = await _get(px.url + "/get_server_info")
+        assert r.status == 403
+        assert up.requests == []
+
+
+async def test_flush_cache_fans_out_to_every_backend():
+    async with (
+        fakes(3) as ups,
+        running_proxy([u.url for u in ups], server={"admin_key": "admin"}) as px,
+    ):
+        admin = {"Authorization": "Bearer admin"}
+        r, body = await _post(px.url + "/flush_cache", {}, headers=admin)
+        assert r.status == 200
+        out = orjson.loads(body)
+        names = {b.name for b in px.proxy.pool.all()}
+        assert out["ok"] is True and set(out["backends"]) == names
+        assert all(v["status"] == 200 for v in out["backends"].values())
+        assert [len(u.requests) for u in ups] == [1, 1, 1]
+        # one backend refuses (busy): the combined answer says which, and is not a success
+        ups[1].running = 1
+        r, body = await _post(px.url + "/flush_cache", {}, headers=admin)
+        out = orjson.loads(body)
+        assert r.status == 502 and out["ok"] is False
+        assert _error(body)["code"] == "fanout_failed"
+        busy = f"127.0.0.1:{ups[1].port}"
+        assert out["backends"][busy]["status"] == 400
+        ups[1].running = 0
+        # the backend header narrows it to one backend
+        r, body = await _post(
+            px.url + "/flush_cache", {}, headers={**admin, "X-Pipefill-Backend": busy}
+        )
+        assert r.status == 200 and list(orjson.loads(body)["backends"]) == [busy]
+        r, body = await _post(
+            px.url + "/flush_cache", {}, headers={**admin, "X-Pipefill-Backend": "nope"}
+        )
+        assert r.status == 404 and _error(body)["code"] == "backend_not_found"
+        for b in px.proxy.pool.all():  # admin calls are not traffic: no health, no stats
+            assert b.state is State.HEALTHY and b.consecutive_failures == 0
