@@ -176,6 +176,13 @@ class Proxy:
                 "other",
                 os.urandom(12).hex(),
             )
+        bad = _undecodable_header(request.headers)
+        if bad is not None:  # before any header is read as text
+            rid = os.urandom(12).hex()
+            if bad == "authorization":
+                message = "the Authorization header is not valid UTF-8"
+                return self._reject(401, message, "invalid_api_key", "other", rid)
+            return self._reject(400, "a header is not valid UTF-8", "invalid_header", "other", rid)
         route = ADMITTED.get(path)
         if route is None:
             if path in OWN:
@@ -326,7 +333,7 @@ class Proxy:
     def _client_key(self, request: web.BaseRequest) -> bytes | None:
         auth = request.headers.get("Authorization")
         if auth and auth[:7].lower() == "bearer ":
-            return auth[7:].strip().encode()
+            return auth[7:].strip().encode("utf-8", "surrogateescape")
         return None
 
     def _priority(self, request: web.BaseRequest, key: bytes | None) -> str:
@@ -421,6 +428,18 @@ def _key_in(key: bytes | None, keys: list[bytes]) -> bool:
     for k in keys:
         found |= hmac.compare_digest(key, k)
     return found
+
+
+def _undecodable_header(headers: Any) -> str | None:
+    """The lower-cased name of the first header whose value is not valid UTF-8 (aiohttp keeps
+    such bytes as surrogates, which cannot be compared as a key nor sent upstream), or None."""
+    for name, value in headers.items():
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return name.lower()
+    return None
 
 
 #: characters left unescaped when a decoded path is quoted again (RFC 3986 pchar and "/")

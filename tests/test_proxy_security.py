@@ -226,3 +226,29 @@ async def test_flush_cache_fans_out_to_every_backend():
         assert r.status == 404 and _error(body)["code"] == "backend_not_found"
         for b in px.proxy.pool.all():  # admin calls are not traffic: no health, no stats
             assert b.state is State.HEALTHY and b.consecutive_failures == 0
+
+
+# ---- 3 (Medium 8): a header that is not UTF-8 ------------------------------------------------
+
+
+async def test_non_utf8_authorization_is_401_and_other_headers_400():
+    body = orjson.dumps({"model": MODEL, "messages": []})
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\n%s\r\nContent-Length: %d\r\n\r\n%s"
+    )
+    for server in ({"api_keys": ["k"]}, {"admin_key": "a"}, {}):
+        async with fakes(1) as (up,), running_proxy([up.url], server=server) as px:
+            for path in (b"/v1/chat/completions", b"/admin/backends", b"/metrics"):
+                head = request.replace(b"/v1/chat/completions", path, 1)
+                out = await _raw(
+                    px.port, head % (b"Authorization: Bearer \xff\xfe", len(body), body)
+                )
+                status, err = _status_and_body(out)
+                assert status == 401, (server, path, out)
+                assert _error(err)["code"] == "invalid_api_key"
+                assert b"Traceback" not in out
+            out = await _raw(px.port, request % (b"X-Note: caf\xe9", len(body), body))
+            status, err = _status_and_body(out)
+            assert status == 400 and _error(err)["code"] == "invalid_header"
+            assert up.requests == []
