@@ -337,10 +337,12 @@ class Proxy:
         return None
 
     def _priority(self, request: web.BaseRequest, key: bytes | None) -> str:
-        value = request.headers.get(self._priority_header)
-        if value:
-            return "batch" if value.strip().lower() == "batch" else "interactive"
+        """``batch`` for a key in ``queue.batch_api_keys`` or a ``batch`` priority header: the
+        header may only lower a request's priority, never lift a batch key's."""
         if key is not None and self._batch_keys and _key_in(key, self._batch_keys):
+            return "batch"
+        value = request.headers.get(self._priority_header)
+        if value and value.strip().lower() == "batch":
             return "batch"
         return "interactive"
 

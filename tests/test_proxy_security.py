@@ -7,7 +7,7 @@ import asyncio
 
 import aiohttp
 import orjson
-from proxy_support import MODEL, fakes, running_proxy
+from proxy_support import MODEL, fakes, running_proxy, wait_for
 
 from proxy.backends import State
 
@@ -252,3 +252,36 @@ async def test_non_utf8_authorization_is_401_and_other_headers_400():
             status, err = _status_and_body(out)
             assert status == 400 and _error(err)["code"] == "invalid_header"
             assert up.requests == []
+
+
+# ---- 4 (Medium 9): the priority header may only lower priority ---------------------------------
+
+
+async def test_priority_header_cannot_lift_a_batch_key():
+    async with (
+        fakes(1) as (up,),
+        running_proxy(
+            [up.url],
+            server={"api_keys": ["batchkey", "userkey"]},
+            queue={"batch_api_keys": ["batchkey"]},
+            limits={"algorithm": "fixed", "initial": 1},
+        ) as px,
+    ):
+        url = px.url + "/v1/chat/completions"
+        user = {"Authorization": "Bearer userkey"}
+        first = asyncio.create_task(_post(
+            url, {"messages": [], "stream": True, "max_tokens": 10, "tag": "first"},
+            headers={**user, "X-Fake-Delay": "0.03"},
+        ))  # fmt: skip
+        await wait_for(lambda: up.running == 1)
+        lifted = asyncio.create_task(_post(
+            url, {"messages": [], "tag": "batch-key"},
+            headers={"Authorization": "Bearer batchkey", "X-Priority": "interactive"},
+        ))  # fmt: skip
+        await wait_for(lambda: px.proxy.admission.depth == 1)
+        later = asyncio.create_task(_post(url, {"messages": [], "tag": "user"}, headers=user))
+        await wait_for(lambda: px.proxy.admission.depth == 2)
+        for t in (first, lifted, later):
+            r, _ = await t
+            assert r.status == 200
+        assert [q["body"].get("tag") for q in up.requests] == ["first", "user", "batch-key"]
