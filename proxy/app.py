@@ -80,6 +80,11 @@ class Proxy:
         self._api_keys = [k.encode() for k in srv.api_keys]
         self._batch_keys = [k.encode() for k in settings.queue.batch_api_keys]
         self._admin_key = srv.admin_key.encode() if srv.admin_key else None
+        # /metrics: a client key or the admin key opens it; public when metrics_public is
+        # true, or unset and no client key is set, or when there is no key to ask for
+        self._metrics_keys = [*self._api_keys, *([self._admin_key] if self._admin_key else [])]
+        public = srv.metrics_public if srv.metrics_public is not None else not srv.api_keys
+        self._metrics_public = public or not self._metrics_keys
         self._priority_header = settings.queue.priority_header
         self._rid_header = srv.request_id_header
         self._max_body = srv.max_body_bytes
@@ -383,11 +388,8 @@ class Proxy:
         if path == "/health":
             return self._health()
         if path == "/metrics":
-            if (
-                not self.settings.server.metrics_public
-                and self._api_keys
-                and not _key_in(self._client_key(request), self._api_keys)
-            ):
+            key = self._client_key(request)
+            if not self._metrics_public and not _key_in(key, self._metrics_keys):
                 return error_response(401, "invalid or missing API key", "invalid_api_key")
             return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
         if self._api_keys and not _key_in(self._client_key(request), self._api_keys):
@@ -416,11 +418,21 @@ class Proxy:
             body=orjson.dumps({"object": "list", "data": list(models.values())}), content_type=JSON
         )
 
-    def admin_allowed(self, request: web.BaseRequest, mutating: bool) -> bool:
-        key = self._client_key(request)
-        if self._admin_key is None:
-            return not mutating
-        return key is not None and hmac.compare_digest(key, self._admin_key)
+    def admin_access(self, request: web.BaseRequest, mutating: bool) -> bool | web.Response:
+        """Who calls ``/admin/*``: True for the admin (``server.admin_key``); False for anyone,
+        read-only and shown no backend URL, which only a proxy without any key allows; else
+        the error to answer (401 wrong admin key; 403 no admin key while other keys are set,
+        or a change without an admin key)."""
+        if self._admin_key is not None:
+            key = self._client_key(request)
+            if key is not None and hmac.compare_digest(key, self._admin_key):
+                return True
+            return error_response(401, "invalid or missing admin key", "invalid_admin_key")
+        if mutating or self._api_keys:
+            return error_response(
+                403, "the admin API needs an admin key: set server.admin_key", "admin_disabled"
+            )
+        return False
 
 
 def _key_in(key: bytes | None, keys: list[bytes]) -> bool:

@@ -39,8 +39,15 @@ class ServerSettings(Section):
     api_keys: list[str] = Field(
         default_factory=list, description="client Bearer keys; empty = open"
     )
-    admin_key: str | None = Field(None, description="Bearer key for /admin/*; unset = read-only")
-    metrics_public: bool = Field(True, description="serve /metrics without a client key")
+    admin_key: str | None = Field(
+        None,
+        description="Bearer key for /admin/* and SGLang's management routes; unset = those are "
+        "off (GET /admin/* stays open, without backend URLs, only while api_keys is empty)",
+    )
+    metrics_public: bool | None = Field(
+        None,
+        description="serve /metrics without a key; unset = public unless api_keys is set",
+    )
     shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: time streams may finish")
     log_prompts: bool = Field(False, description="log request bodies (prompts) at debug level")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")

@@ -121,6 +121,8 @@ async def test_client_api_keys():
         r, _ = await _req("GET", px.url + "/health")
         assert r.status == 200
         r, _ = await _req("GET", px.url + "/metrics")
+        assert r.status == 401  # private by default once client keys are set
+        r, _ = await _req("GET", px.url + "/metrics", headers={"Authorization": "Bearer k1"})
         assert r.status == 200
         r, out = await _req("GET", px.url + "/get_model_info")
         assert r.status == 401

@@ -285,3 +285,52 @@ async def test_priority_header_cannot_lift_a_batch_key():
             r, _ = await t
             assert r.status == 200
         assert [q["body"].get("tag") for q in up.requests] == ["first", "user", "batch-key"]
+
+
+# ---- 5 (Medium 10): /admin/* and /metrics ---------------------------------------------------
+
+
+async def test_admin_reads_need_the_admin_key_whenever_a_key_is_set():
+    async with fakes(1) as (up,):
+        async with running_proxy([up.url], server={"api_keys": ["client"]}) as px:
+            for headers in ({}, {"Authorization": "Bearer client"}):
+                for path in (
+                    "/admin/backends",
+                    "/admin/queue",
+                    f"/admin/backends/127.0.0.1:{up.port}",
+                ):
+                    r, body = await _get(px.url + path, headers=headers)
+                    assert r.status == 403, (path, headers)
+                    assert _error(body)["code"] == "admin_disabled"
+        async with running_proxy([up.url], server={"admin_key": "admin"}) as px:
+            r, body = await _get(px.url + "/admin/backends")
+            assert r.status == 401 and _error(body)["code"] == "invalid_admin_key"
+            r, body = await _get(
+                px.url + "/admin/backends", headers={"Authorization": "Bearer admin"}
+            )
+            assert r.status == 200 and orjson.loads(body)["backends"][0]["url"] == up.url
+        async with running_proxy([up.url]) as px:  # no key at all: read-only, no backend URL
+            for path in ("/admin/backends", f"/admin/backends/127.0.0.1:{up.port}"):
+                r, body = await _get(px.url + path)
+                assert r.status == 200
+                assert up.url.encode() not in body and b"http://" not in body
+            out = orjson.loads((await _get(px.url + "/admin/backends"))[1])
+            assert out["backends"][0]["state"] == "healthy" and "url" not in out["backends"][0]
+
+
+async def test_metrics_need_a_key_when_keys_are_set_unless_explicitly_public():
+    async with fakes(1) as (up,):
+        async with running_proxy([up.url], server={"api_keys": ["client"], "admin_key": "a"}) as px:
+            r, body = await _get(px.url + "/metrics")
+            assert r.status == 401 and _error(body)["code"] == "invalid_api_key"
+            for key in ("client", "a"):
+                r, _ = await _get(px.url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+                assert r.status == 200
+        async with running_proxy(
+            [up.url], server={"api_keys": ["client"], "metrics_public": True}
+        ) as px:
+            r, _ = await _get(px.url + "/metrics")
+            assert r.status == 200
+        async with running_proxy([up.url]) as px:  # open mode: public
+            r, _ = await _get(px.url + "/metrics")
+            assert r.status == 200
