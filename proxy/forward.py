@@ -558,8 +558,14 @@ class Forwarder:
                     # Events that arrived in one read arrived together: they count as one
                     # event carrying all their tokens (one ITL sample of gap / tokens).
                     n = 0
-                    for payload in framer.feed(chunk):
-                        n += observe(payload)  # type: ignore[misc]
+                    try:
+                        for payload in framer.feed(chunk):
+                            n += observe(payload)  # type: ignore[misc]
+                    except Exception:  # a bug of ours: keep relaying, stop peeking
+                        log.exception("request %s: SSE accounting failed; relaying on", request_id)
+                        counter.malformed += 1  # type: ignore[union-attr]
+                        framer = None
+                        n = 0
                     if n:
                         if first is None:
                             first = now
@@ -623,6 +629,8 @@ class Forwarder:
             tokens = counter.completion_tokens or counter.chunk_tokens
             if tokens:
                 bm.tokens.inc(tokens)
+            if counter.malformed:
+                bm.malformed.inc(counter.malformed)
         if failure != "client_disconnect":  # not the backend's doing: no observation
             ok = failure is None and (counter is None or counter.error is None)
             kind = failure or (None if ok else "stream_error")

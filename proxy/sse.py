@@ -79,6 +79,10 @@ class TokenCounter:
     and ``prompt_tokens`` are the server's own counts when it sent them (usage, or the last
     ``meta_info``), ``chunk_tokens`` is what the events added up to, ``error`` holds an in-stream
     error object and ``done`` tells whether ``[DONE]`` arrived.
+
+    An event of a shape SGLang does not send (``{"choices": 5}``, a ``delta`` that is not an
+    object, a ``/generate`` ``index`` that is not an integer, ...) counts in ``malformed`` and
+    carries no token; it never raises.
     """
 
     api: Api
@@ -116,6 +120,9 @@ class TokenCounter:
     def _observe_generate(self, obj: dict) -> int:
         meta = obj.get("meta_info") or {}
         index = obj.get("index", 0)
+        if not isinstance(meta, dict) or not isinstance(index, int):
+            self.malformed += 1
+            return 0
         total = meta.get("completion_tokens")
         if isinstance(meta.get("prompt_tokens"), int):
             self.prompt_tokens = meta["prompt_tokens"]
@@ -132,14 +139,21 @@ class TokenCounter:
 
     def _observe_openai(self, obj: dict) -> int:
         choices = obj.get("choices") or []
+        if not isinstance(choices, list):
+            self.malformed += 1
+            return 0
         carries = False
         for choice in choices:
             if not isinstance(choice, dict):
-                continue
+                self.malformed += 1
+                return 0
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
             if self.api == "chat":
                 delta = choice.get("delta") or {}
+                if not isinstance(delta, dict):
+                    self.malformed += 1
+                    return 0
                 if (
                     delta.get("content")
                     or delta.get("reasoning_content")

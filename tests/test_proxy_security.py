@@ -4,9 +4,11 @@ out of service, reach what it should not, or make the proxy fail in ways it shou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import orjson
+from aiohttp import web
 from proxy_support import MODEL, fakes, running_proxy, wait_for
 
 from proxy.backends import State
@@ -334,3 +336,65 @@ async def test_metrics_need_a_key_when_keys_are_set_unless_explicitly_public():
         async with running_proxy([up.url]) as px:  # open mode: public
             r, _ = await _get(px.url + "/metrics")
             assert r.status == 200
+
+
+# ---- 6 (Medium 6): upstream events of unexpected shape ----------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _sse_upstream(payloads: dict[str, bytes]):
+    """An upstream that answers each path in ``payloads`` with those bytes as an SSE stream."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for line in payloads[request.path].split(b"\n\n"):
+            if line:
+                await resp.write(line + b"\n\n")
+                await asyncio.sleep(0)
+        return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    for path in payloads:
+        app.router.add_post(path, stream)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
+async def test_events_of_unexpected_shape_are_counted_malformed_and_relayed():
+    chat = (
+        b'data: {"choices":5}\n\n'
+        b'data: {"choices":[{"delta":"x"}]}\n\n'
+        b'data: {"choices":[7]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    generate = (
+        b'data: {"text":"a","index":[1],"meta_info":{"completion_tokens":1}}\n\n'
+        b'data: {"text":"a","meta_info":5}\n\n'
+        b'data: {"text":"a b","meta_info":{"completion_tokens":2}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    async with (
+        _sse_upstream({"/v1/chat/completions": chat, "/generate": generate}) as url,
+        running_proxy([url]) as px,
+    ):
+        (b,) = px.proxy.pool.all()
+        r, body = await _post(px.url + "/v1/chat/completions", {"messages": [], "stream": True})
+        assert r.status == 200 and body == chat  # every byte relayed, no error event
+        r, body = await _post(px.url + "/generate", {"text": "x", "stream": True})
+        assert r.status == 200 and body == generate
+        assert b.state is State.HEALTHY and b.stats.tokens_total == 3
+        metrics = (await _get(px.url + "/metrics"))[1].decode()
+        assert f'pipefill_malformed_events_total{{backend="{b.name}"}} 5.0' in metrics

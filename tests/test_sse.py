@@ -1,6 +1,7 @@
 """SSE framing and token accounting shared by the proxy and the load generator."""
 
 import orjson
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -91,3 +92,21 @@ def test_in_stream_error_is_recorded():
     assert counter.observe(b'{"error": {"message": "boom", "code": 503}}') == 0
     assert counter.error == {"message": "boom", "code": 503}
     assert counter.observe(b"not json") == 0 and counter.malformed == 1
+
+
+@pytest.mark.parametrize(
+    ("api", "payload"),
+    [
+        ("chat", b'{"choices": 5}'),
+        ("chat", b'{"choices": [{"delta": "x"}]}'),
+        ("chat", b'{"choices": [7]}'),
+        ("completions", b'{"choices": {"text": "a"}}'),
+        ("generate", b'{"index": [1], "meta_info": {"completion_tokens": 1}}'),
+        ("generate", b'{"index": "0", "meta_info": {"completion_tokens": 1}}'),
+        ("generate", b'{"meta_info": 5}'),
+    ],
+)
+def test_events_of_unexpected_shape_are_malformed_never_an_exception(api, payload):
+    counter = TokenCounter(api)
+    assert counter.observe(payload) == 0
+    assert counter.malformed == 1 and counter.chunk_tokens == 0
