@@ -28,7 +28,7 @@ from aiohttp.web_protocol import RequestHandler
 from proxy import routes
 from proxy.admission import Admission, NoHealthyBackend, QueueFull, QueueTimeout
 from proxy.backends import Backend, BackendPool, State, default_limit_factory
-from proxy.errors import JSON, error_response
+from proxy.errors import JSON, error_body, error_response
 from proxy.forward import Forwarder
 from proxy.health import Health
 from proxy.metrics import CONTENT_TYPE, Metrics, register_adapt_metrics
@@ -88,6 +88,7 @@ class Proxy:
         self._priority_header = settings.queue.priority_header
         self._rid_header = srv.request_id_header
         self._max_body = srv.max_body_bytes
+        self._body_timeout = srv.body_timeout_s
         from proxy.admin import Admin
 
         self.admin = Admin(self)
@@ -240,9 +241,19 @@ class Proxy:
             if length is not None and length > self._max_body:
                 return self._too_large(label, rid)
             try:
-                body = await request.read()
+                async with asyncio.timeout(self._body_timeout):
+                    body = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 return self._too_large(label, rid)
+            except TimeoutError:
+                resp = self._reject(
+                    408, "request body not received in time", "request_timeout", label, rid
+                )
+                # answer, then close at once: no lingering read of a body that does not come
+                await resp.prepare(request)
+                await resp.write_eof()
+                request.protocol.force_close()
+                return resp
             if route.admitted and body:
                 obj, bad = _json_object(body)
                 if obj is None:
@@ -495,8 +506,79 @@ def _json_object(body: bytes) -> tuple[dict, None] | tuple[None, str]:
 # ---- the server ---------------------------------------------------------------------------
 
 
+def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 error response, for where no request object exists yet."""
+    body = error_body(message, status=status, code=code)
+    return (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {JSON}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+
+
+_HEAD_TIMEOUT = _raw_error(
+    408, "Request Timeout", "request head not received in time", "request_timeout"
+)
+_TOO_MANY = _raw_error(
+    503,
+    "Service Unavailable",
+    "too many connections to the proxy; retry later",
+    "too_many_connections",
+)
+
+
 class _Handler(RequestHandler):
-    """aiohttp's protocol handler, answering malformed HTTP with OpenAI-shaped errors."""
+    """aiohttp's protocol handler, answering malformed HTTP with OpenAI-shaped errors, closing a
+    connection whose request head does not arrive within ``head_timeout`` of its first byte
+    (408), and refusing connections beyond the server's cap (503)."""
+
+    def __init__(self, manager: _Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._server = manager
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self._server
+        if server.max_connections and server.open_connections >= server.max_connections:
+            self._force_close = True  # never parsed, never handled
+            transport.write(_TOO_MANY)  # type: ignore[attr-defined]
+            transport.close()
+            server.on_refused()
+            return
+        self._counted = True
+        server.open_connections += 1
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._counted:
+            self._counted = False
+            self._server.open_connections -= 1
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        parsed = self._request_count
+        super().data_received(data)
+        if self._request_count != parsed:  # a request head completed
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+        elif (
+            data
+            and self._head_timer is None
+            and not self._request_in_progress
+            and not self._force_close
+        ):  # the first bytes of a new head
+            self._head_timer = self._loop.call_later(self._server.head_timeout, self._head_expired)
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self._request_in_progress or self._messages or self.transport is None:
+            return  # not waiting for a head after all
+        self.transport.write(_HEAD_TIMEOUT)
+        self.force_close()
 
     def handle_error(self, request, status=500, exc=None, message=None):  # type: ignore[override]
         if request.writer.output_size > 0:
@@ -521,9 +603,22 @@ class _Handler(RequestHandler):
 
 
 class _Server(web.Server):
-    def __init__(self, handler: Any, *, max_body: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        handler: Any,
+        *,
+        max_body: int,
+        head_timeout: float,
+        max_connections: int,
+        on_refused: Any = lambda: None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(handler, **kwargs)
         self._max_body = max_body
+        self.head_timeout = head_timeout
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self.on_refused = on_refused
 
     def __call__(self) -> RequestHandler:
         return _Handler(self, loop=self._loop, **self._kwargs)
@@ -561,6 +656,10 @@ class ProxyServer:
             max_line_size=s.max_header_bytes,
             max_field_size=s.max_header_bytes,
             max_headers=s.max_headers,
+            keepalive_timeout=s.keepalive_s,
+            head_timeout=s.header_timeout_s,
+            max_connections=s.max_connections,
+            on_refused=lambda: self.proxy.metrics.rejections.labels("too_many_connections").inc(),
             access_log=None,
         )
         self._runner = web.ServerRunner(server, shutdown_timeout=s.shutdown_grace_s)

@@ -36,6 +36,18 @@ class ServerSettings(Section):
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="larger bodies get 413")
     max_header_bytes: int = Field(16 * 1024, gt=0, description="per header line; larger gets 431")
     max_headers: int = Field(128, gt=0, description="header lines per request; more gets 431")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a request head must arrive this soon after its first byte (408)"
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="a request body must arrive whole within this (408)"
+    )
+    keepalive_s: float = Field(
+        75.0, gt=0, description="an idle client connection is closed after this"
+    )
+    max_connections: int = Field(
+        4096, ge=0, description="client connections at once; more get 503 (0 = unlimited)"
+    )
     api_keys: list[str] = Field(
         default_factory=list, description="client Bearer keys; empty = open"
     )

@@ -398,3 +398,66 @@ async def test_events_of_unexpected_shape_are_counted_malformed_and_relayed():
         assert b.state is State.HEALTHY and b.stats.tokens_total == 3
         metrics = (await _get(px.url + "/metrics"))[1].decode()
         assert f'pipefill_malformed_events_total{{backend="{b.name}"}} 5.0' in metrics
+
+
+# ---- 7 (Medium 3): slow clients, idle connections, too many connections ------------------------
+
+
+async def test_a_slow_request_head_or_body_is_closed_with_408():
+    async with (
+        fakes(1) as (up,),
+        running_proxy([up.url], server={"header_timeout_s": 0.3, "body_timeout_s": 0.3}) as px,
+    ):
+        # slowloris: a head that never ends
+        out = await _raw(px.port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: 1\r\n")
+        status, body = _status_and_body(out)
+        assert status == 408 and _error(body)["code"] == "request_timeout"
+        # a body that never ends
+        out = await _raw(
+            px.port,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: 1000\r\n\r\n" + b'{"messages": [',
+        )
+        status, body = _status_and_body(out)
+        assert status == 408 and _error(body)["code"] == "request_timeout"
+        assert up.requests == []
+        # a request that arrives whole is served as before
+        r, _ = await _post(px.url + "/v1/chat/completions", {"model": MODEL, "messages": []})
+        assert r.status == 200
+
+
+async def test_idle_keep_alive_connections_are_closed():
+    async with fakes(1) as (up,), running_proxy([up.url], server={"keepalive_s": 0.3}) as px:
+        out = await _raw(px.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # keep-alive
+        assert out.startswith(b"HTTP/1.1 200")  # then the proxy closed it: read() ended
+
+
+async def test_connections_beyond_the_cap_get_503():
+    async with fakes(1) as (up,), running_proxy([up.url], server={"max_connections": 2}) as px:
+        held = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", px.port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            held.append((reader, writer))
+        out = await _raw(px.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, body = _status_and_body(out)
+        assert status == 503 and _error(body)["code"] == "too_many_connections"
+        held.pop()[1].close()
+
+        async def served() -> bool:
+            out = await _raw(
+                px.port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            return out.startswith(b"HTTP/1.1 200")
+
+        for _ in range(100):  # the freed connection is counted out once the proxy saw it close
+            if await served():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("a freed connection slot was never reused")
+        metrics = (await _get(px.url + "/metrics"))[1].decode()
+        assert 'pipefill_rejections_total{reason="too_many_connections"}' in metrics
+        for _, writer in held:
+            writer.close()
