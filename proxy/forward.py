@@ -18,7 +18,6 @@ between chunks and total, the last two enforced by one lazily rescheduled timer 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -103,39 +102,61 @@ class UpstreamError(Exception):
         self.kind = kind
 
 
-WRITING = float("inf")  # _Watchdog.last while a write to the client is in progress
+#: kind of a stream ended because its client stopped reading (the client's doing)
+CLIENT_STALLED = "client_stalled"
 
 
 class _Watchdog:
-    """Idle-gap and total deadlines of one upstream response, for the price of one timer.
+    """Idle-gap and total deadlines of one upstream response, and the write-stall deadline of
+    its client, for the price of one timer.
 
-    The timer is rescheduled only when it fires (``last`` is a plain attribute write per
-    chunk). On expiry the response's stream gets an UpstreamError and the connection is closed,
-    which wakes the pending read.
+    The timer is rescheduled only when it fires. ``last`` is a plain attribute write per chunk:
+    the time the backend last sent, or, while a write to the client is in progress, minus the
+    time that write began. On an upstream expiry the response's stream gets an UpstreamError
+    and the connection is closed, which wakes the pending read; a client that has not taken a
+    write for ``stall`` seconds has its connection aborted, which ends the write (and frees the
+    backend slot).
     """
 
-    __slots__ = ("deadline", "fired", "handle", "idle", "last", "loop", "resp")
+    __slots__ = ("client", "deadline", "fired", "handle", "idle", "last", "loop", "resp", "stall")
 
-    def __init__(self, resp: aiohttp.ClientResponse, idle: float, deadline: float) -> None:
+    def __init__(
+        self,
+        resp: aiohttp.ClientResponse,
+        idle: float,
+        deadline: float,
+        client: asyncio.BaseTransport | None = None,
+        stall: float = float("inf"),
+    ) -> None:
         self.loop = asyncio.get_running_loop()
         self.resp = resp
         self.idle = idle
         self.deadline = deadline
+        self.client = client
+        self.stall = stall
         self.last = time.monotonic()
         self.fired: str | None = None
-        self.handle = self.loop.call_later(min(idle, deadline - self.last), self._check)
+        # (a write that starts blocking is noticed within two stall periods)
+        self.handle = self.loop.call_later(min(idle, stall, deadline - self.last), self._check)
 
     def _check(self) -> None:
         now = time.monotonic()
+        last = self.last
         if now >= self.deadline:
             self.fired = "total_timeout"
-        elif self.last == WRITING:  # blocked on a slow client, not waiting on the backend
-            self.handle = self.loop.call_later(min(self.idle, self.deadline - now), self._check)
+        elif last <= 0:  # writing to the client since -last: not waiting on the backend
+            blocked = now + last
+            if self.client is not None and blocked >= self.stall:
+                self.fired = CLIENT_STALLED
+                self.client.abort()
+                return
+            delay = min(self.idle, self.stall - blocked, self.deadline - now)
+            self.handle = self.loop.call_later(delay, self._check)
             return
-        elif now - self.last >= self.idle:
+        elif now - last >= self.idle:
             self.fired = "idle_timeout"
         else:
-            delay = min(self.last + self.idle, self.deadline) - now
+            delay = min(min(last + self.idle, self.deadline) - now, self.stall)
             self.handle = self.loop.call_later(delay, self._check)
             return
         self.resp.content.set_exception(UpstreamError(self.fired))
@@ -522,7 +543,8 @@ class Forwarder:
         bm = self.metrics.backend(b.name)
         stats = b.stats
         t_send = pending.t_send
-        wd = _Watchdog(resp, self._t.idle_s, deadline)
+        stall = self._t.write_stall_s
+        wd = _Watchdog(resp, self._t.idle_s, deadline, request.transport, stall)
         content = resp.content
         monotonic = time.monotonic
         # Hold the client's headers until the first chunk: a backend that fails before it
@@ -552,7 +574,7 @@ class Forwarder:
             write = out.write
             while chunk:
                 now = monotonic()
-                wd.last = WRITING
+                wd.last = -now
                 await write(chunk)
                 if framer is not None:
                     # Events that arrived in one read arrived together: they count as one
@@ -604,12 +626,12 @@ class Forwarder:
             tail = b"\n\n" if framer is not None and framer.pending else b""
             code = "upstream_timeout" if failure.endswith("timeout") else "upstream_error"
             status = 504 if failure.endswith("timeout") else 502
-            with contextlib.suppress(ConnectionError):
-                await out.write(tail + sse_error(message, status=status, code=code))
+            await _last_write(
+                request, stall, out.write(tail + sse_error(message, status=status, code=code))
+            )
         else:
             self.health.record_success(b)
-        with contextlib.suppress(ConnectionError):
-            await out.write_eof()
+        await _last_write(request, stall, out.write_eof())
         self._account(b, bm, route, out.status, t_arrive, counter, failure)
         return out
 
@@ -675,6 +697,19 @@ class _Pending:
         stats, self._stats = self._stats, None
         if stats is not None:
             stats.observe_answered(now, self._key)
+
+
+async def _last_write(request: web.BaseRequest, stall: float, write: Awaitable[None]) -> None:
+    """A write after the relay loop, bounded like its writes: a client that takes nothing for
+    ``stall`` seconds is cut off."""
+    try:
+        async with asyncio.timeout(stall):
+            await write
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+    except ConnectionError:
+        pass
 
 
 def _maybe_stale(e: BaseException) -> bool:

@@ -78,6 +78,12 @@ class TimeoutSettings(Section):
     )
     idle_s: float = Field(120.0, gt=0, description="longest gap between two streamed chunks")
     total_s: float = Field(1800.0, gt=0, description="whole upstream exchange")
+    write_stall_s: float = Field(
+        60.0,
+        gt=0,
+        description="a client that takes none of a stream's bytes for this long is cut off "
+        "(its backend slot freed)",
+    )
 
 
 class RetrySettings(Section):

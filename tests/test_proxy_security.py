@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 import aiohttp
 import orjson
@@ -461,3 +462,58 @@ async def test_connections_beyond_the_cap_get_503():
         assert 'pipefill_rejections_total{reason="too_many_connections"}' in metrics
         for _, writer in held:
             writer.close()
+
+
+# ---- 8 (Medium 7): a client that stops reading --------------------------------------------------
+
+
+async def test_a_client_that_stops_reading_frees_its_backend_slot():
+    state = {"cancelled": 0}
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        event = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 65536 + b'"}}]}\n\n'
+        try:
+            while True:
+                await resp.write(event)
+        except asyncio.CancelledError:
+            state["cancelled"] += 1
+            raise
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_post("/v1/chat/completions", endless)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with running_proxy(
+            [f"http://127.0.0.1:{port}"], timeouts={"write_stall_s": 0.3}
+        ) as px:
+            (b,) = px.proxy.pool.all()
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", px.port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            body = b'{"messages": [], "stream": true}'
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await reader.readuntil(b"\r\n\r\n")  # the stream started; now the client reads nothing
+            await wait_for(lambda: b.in_flight == 1)
+            await wait_for(lambda: b.in_flight == 0, within=10)  # the slot is free again
+            await wait_for(lambda: state["cancelled"] == 1)  # and the upstream request closed
+            assert b.state is State.HEALTHY and b.consecutive_failures == 0
+            metrics = (await _get(px.url + "/metrics"))[1].decode()
+            assert f'pipefill_client_disconnects_total{{backend="{b.name}"}} 1.0' in metrics
+            writer.close()
+    finally:
+        await runner.cleanup()
