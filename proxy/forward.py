@@ -563,7 +563,7 @@ class Forwarder:
         headers[self._backend_header] = b.name
         headers[self._rid_header] = request_id
         out = web.StreamResponse(status=resp.status, headers=headers)
-        framer = SSEFramer() if api is not None else None
+        framer = SSEFramer(self.settings.upstream.max_event_bytes) if api is not None else None
         counter = TokenCounter(api) if api is not None else None
         observe = counter.observe if counter is not None else None
         first: float | None = None

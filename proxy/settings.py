@@ -102,6 +102,12 @@ class UpstreamSettings(Section):
     )
     max_connections: int = Field(0, ge=0, description="0 = unlimited")
     max_connections_per_backend: int = Field(0, ge=0, description="0 = unlimited")
+    max_event_bytes: int = Field(
+        4 * 1024 * 1024,
+        gt=0,
+        description="a streamed SSE event larger than this is relayed but not read (no tokens "
+        "counted; pipefill_malformed_events_total)",
+    )
 
 
 class HealthSettings(Section):

@@ -517,3 +517,22 @@ async def test_a_client_that_stops_reading_frees_its_backend_slot():
             writer.close()
     finally:
         await runner.cleanup()
+
+
+# ---- 9 (Medium 5): an SSE event larger than any SGLang sends -----------------------------------
+
+
+async def test_an_oversized_event_is_relayed_but_not_read():
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    huge = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 300_000 + b'"}}]}\n\n'
+    chat = token + huge + token + token + b"data: [DONE]\n\n"
+    async with (
+        _sse_upstream({"/v1/chat/completions": chat}) as url,
+        running_proxy([url], upstream={"max_event_bytes": 65536}) as px,
+    ):
+        (b,) = px.proxy.pool.all()
+        r, body = await _post(px.url + "/v1/chat/completions", {"messages": [], "stream": True})
+        assert r.status == 200 and body == chat
+        assert b.stats.tokens_total == 3  # the events around it were read
+        metrics = (await _get(px.url + "/metrics"))[1].decode()
+        assert f'pipefill_malformed_events_total{{backend="{b.name}"}} 1.0' in metrics
