@@ -470,23 +470,25 @@ class Forwarder:
     async def _upstream_5xx(
         self, b: Backend, resp: aiohttp.ClientResponse, deadline: float
     ) -> Failure:
+        """A retry status: the backend's own body is kept (up to ERROR_BODY_CAP bytes; a larger
+        one is dropped for the proxy's own error) in case no other backend does better."""
         kind = f"http_{resp.status}"
-        try:
-            data = await self._read_all(resp, deadline)
-        except (UpstreamError, aiohttp.ClientError, OSError):
-            data = b""
-        f = self._fail(b, kind, resp.status, f"backend answered {resp.status}")
-        f.upstream = (resp.status, _response_headers(resp.headers), data)
-        return f
-
-    async def _read_all(self, resp: aiohttp.ClientResponse, deadline: float) -> bytes:
         wd = _Watchdog(resp, self._t.idle_s, deadline)
+        data = bytearray()
         try:
-            return await resp.read()
-        except (aiohttp.ClientError, OSError) as e:
-            raise UpstreamError(wd.fired or "disconnect") from e
+            while len(data) <= ERROR_BODY_CAP:
+                chunk = await resp.content.read(ERROR_BODY_CAP + 1 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+        except (UpstreamError, aiohttp.ClientError, OSError):
+            data = bytearray()
         finally:
             wd.cancel()
+        f = self._fail(b, kind, resp.status, f"backend answered {resp.status}")
+        if len(data) <= ERROR_BODY_CAP:
+            f.upstream = (resp.status, _response_headers(resp.headers), bytes(data))
+        return f
 
     async def _whole(
         self,
@@ -499,32 +501,87 @@ class Forwarder:
         t_arrive: float,
         deadline: float,
     ) -> web.StreamResponse | Failure:
+        """A response that is not an event stream, relayed chunk by chunk as it arrives (never
+        held whole). The client's headers wait for the first chunk, so a backend that fails
+        before it is retried elsewhere; one that fails after it leaves the client a cut body
+        (the connection is closed: its length or chunked framing tells it so)."""
+        bm = self.metrics.backend(b.name)
+        stall = self._t.write_stall_s
+        wd = _Watchdog(resp, self._t.idle_s, deadline, request.transport, stall)
+        content = resp.content
         try:
-            data = await self._read_all(resp, deadline)
-        except UpstreamError as e:
-            status = 504 if e.kind.endswith("timeout") else 502
-            return self._fail(b, e.kind, status, "backend failed while sending its response")
+            chunk = await content.readany()
         except asyncio.CancelledError:
-            self.metrics.backend(b.name).disconnects.inc()
+            wd.cancel()
+            bm.disconnects.inc()
             raise
-        now = time.monotonic()
+        except (UpstreamError, aiohttp.ClientError, OSError):
+            wd.cancel()
+            kind = wd.fired or "disconnect"
+            status = 504 if kind.endswith("timeout") else 502
+            return self._fail(b, kind, status, "backend failed while sending its response")
         headers = _response_headers(resp.headers)
         headers[self._backend_header] = b.name
         headers[self._rid_header] = request_id
-        out = web.Response(status=resp.status, body=data, headers=headers)
-        bm = self.metrics.backend(b.name)
-        ok = resp.status < 500
-        tokens = _usage_tokens(data) if api is not None and resp.status == 200 else None
-        if tokens:
-            bm.tokens.inc(tokens)
-            b.stats.observe_tokens(tokens, now)
-        if ok:
-            self.health.record_success(b)
-        fine = ok and resp.status != 429  # ADAPT: a 429 counts as slow for routing
-        b.stats.observe_completion(
-            fine, None if fine else f"http_{resp.status}", now - t_arrive, output_tokens=tokens
-        )
-        bm.duration.observe(now - t_arrive)
+        out = web.StreamResponse(status=resp.status, headers=headers)
+        if resp.content_length is not None:
+            out.content_length = resp.content_length
+        # the body's chunks, kept for reading usage while it stays small enough to parse
+        parts: list[bytes] | None = [] if api is not None and resp.status == 200 else None
+        kept = 0
+        cap = self.settings.upstream.max_event_bytes
+        failure: str | None = None
+        monotonic = time.monotonic
+        try:
+            await out.prepare(request)
+            while chunk:
+                if parts is not None:
+                    kept += len(chunk)
+                    if kept <= cap:
+                        parts.append(chunk)
+                    else:
+                        parts = None
+                wd.last = -monotonic()
+                await out.write(chunk)
+                wd.last = monotonic()
+                try:
+                    chunk = await content.readany()
+                except (UpstreamError, aiohttp.ClientError, OSError):
+                    failure = wd.fired or "disconnect"
+                    break
+        except asyncio.CancelledError:
+            bm.disconnects.inc()
+            bm.duration.observe(monotonic() - t_arrive)
+            self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
+            raise
+        except ConnectionError:  # the client went away (or stopped reading): not the backend's
+            bm.disconnects.inc()
+            bm.duration.observe(monotonic() - t_arrive)
+            self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
+            return out
+        finally:
+            wd.cancel()
+        now = monotonic()
+        if failure is not None:
+            self.metrics.upstream_errors.labels(b.name, failure).inc()
+            self.health.record_failure(b, failure)
+            b.stats.observe_completion(False, failure, now - t_arrive)
+            if request.transport is not None:
+                request.transport.abort()  # the body is cut: the client must not take it whole
+        else:
+            ok = resp.status < 500
+            tokens = _usage_tokens(b"".join(parts)) if parts is not None else None
+            if tokens:
+                bm.tokens.inc(tokens)
+                b.stats.observe_tokens(tokens, now)
+            if ok:
+                self.health.record_success(b)
+            fine = ok and resp.status != 429  # ADAPT: a 429 counts as slow for routing
+            b.stats.observe_completion(
+                fine, None if fine else f"http_{resp.status}", now - t_arrive, output_tokens=tokens
+            )
+            await _last_write(request, stall, out.write_eof())
+        bm.duration.observe(monotonic() - t_arrive)
         self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
         return out
 
@@ -734,6 +791,8 @@ def _response_headers(src: CIMultiDictProxy[str]) -> CIMultiDict:
     return out
 
 
+#: largest error body of a retry status (5xx) kept to relay; a larger one is replaced
+ERROR_BODY_CAP = 64 * 1024
 #: bytes of each backend's answer a fan-out reads (the rest is cut, and it says so)
 FANOUT_BODY_CAP = 64 * 1024
 

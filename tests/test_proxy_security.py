@@ -536,3 +536,57 @@ async def test_an_oversized_event_is_relayed_but_not_read():
         assert b.stats.tokens_total == 3  # the events around it were read
         metrics = (await _get(px.url + "/metrics"))[1].decode()
         assert f'pipefill_malformed_events_total{{backend="{b.name}"}} 1.0' in metrics
+
+
+# ---- 9 (Medium 4): bodies that are not event streams ------------------------------------------
+
+
+async def test_a_large_body_is_streamed_through_and_a_large_5xx_body_is_not_kept():
+    release = asyncio.Event()
+    first, second = b'{"object": "list", "data": [' + b" " * 100_000, b"]}"
+
+    async def gated(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if request.headers.get("X-Big-Error"):
+            return web.Response(status=500, body=b'{"error": "' + b"e" * 1_000_000 + b'"}')
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = len(first) + len(second)
+        await resp.prepare(request)
+        await resp.write(first)
+        await release.wait()  # the rest only once the client has the first part
+        await resp.write(second)
+        return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_post("/v1/embeddings", gated)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        async with running_proxy([url], retries={"max_attempts": 1}) as px:
+
+            async def relayed() -> None:
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.post(px.url + "/v1/embeddings", json={"input": "x"}) as r,
+                ):
+                    assert r.status == 200 and r.content_length == len(first) + len(second)
+                    got = await r.content.readexactly(len(first))  # before the upstream ended
+                    release.set()
+                    assert got + await r.read() == first + second
+
+            try:
+                await asyncio.wait_for(relayed(), 10)
+            finally:
+                release.set()
+            r, body = await _post(px.url + "/v1/embeddings", {"input": "x"}, {"X-Big-Error": "1"})
+            assert r.status == 500 and len(body) < 1000
+            assert _error(body)["code"] == "upstream_error"
+    finally:
+        await runner.cleanup()
