@@ -504,7 +504,8 @@ class Forwarder:
         """A response that is not an event stream, relayed chunk by chunk as it arrives (never
         held whole). The client's headers wait for the first chunk, so a backend that fails
         before it is retried elsewhere; one that fails after it leaves the client a cut body
-        (the connection is closed: its length or chunked framing tells it so)."""
+        (the connection is closed: its length or chunked framing tells it so). A body that came
+        whole in its first read (the usual JSON answer) is answered as one response."""
         bm = self.metrics.backend(b.name)
         stall = self._t.write_stall_s
         wd = _Watchdog(resp, self._t.idle_s, deadline, request.transport, stall)
@@ -523,11 +524,18 @@ class Forwarder:
         headers = _response_headers(resp.headers)
         headers[self._backend_header] = b.name
         headers[self._rid_header] = request_id
+        read_usage = api is not None and resp.status == 200
+        if content.at_eof():
+            wd.cancel()
+            self._completed(b, bm, resp.status, t_arrive, chunk if read_usage else None)
+            bm.duration.observe(time.monotonic() - t_arrive)
+            self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
+            return web.Response(status=resp.status, body=chunk, headers=headers)
         out = web.StreamResponse(status=resp.status, headers=headers)
         if resp.content_length is not None:
             out.content_length = resp.content_length
         # the body's chunks, kept for reading usage while it stays small enough to parse
-        parts: list[bytes] | None = [] if api is not None and resp.status == 200 else None
+        parts: list[bytes] | None = [] if read_usage else None
         kept = 0
         cap = self.settings.upstream.max_event_bytes
         failure: str | None = None
@@ -569,21 +577,37 @@ class Forwarder:
             if request.transport is not None:
                 request.transport.abort()  # the body is cut: the client must not take it whole
         else:
-            ok = resp.status < 500
-            tokens = _usage_tokens(b"".join(parts)) if parts is not None else None
-            if tokens:
-                bm.tokens.inc(tokens)
-                b.stats.observe_tokens(tokens, now)
-            if ok:
-                self.health.record_success(b)
-            fine = ok and resp.status != 429  # ADAPT: a 429 counts as slow for routing
-            b.stats.observe_completion(
-                fine, None if fine else f"http_{resp.status}", now - t_arrive, output_tokens=tokens
+            self._completed(
+                b, bm, resp.status, t_arrive, b"".join(parts) if parts is not None else None, now
             )
             await _last_write(request, stall, out.write_eof())
         bm.duration.observe(monotonic() - t_arrive)
         self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
         return out
+
+    def _completed(
+        self,
+        b: Backend,
+        bm: Any,
+        status: int,
+        t_arrive: float,
+        body: bytes | None,
+        now: float | None = None,
+    ) -> None:
+        """A whole non-streamed answer arrived: its usage (from ``body``, when given), health
+        and stats."""
+        now = time.monotonic() if now is None else now
+        tokens = _usage_tokens(body) if body is not None else None
+        if tokens:
+            bm.tokens.inc(tokens)
+            b.stats.observe_tokens(tokens, now)
+        ok = status < 500
+        if ok:
+            self.health.record_success(b)
+        fine = ok and status != 429  # ADAPT: a 429 counts as slow for routing
+        b.stats.observe_completion(
+            fine, None if fine else f"http_{status}", now - t_arrive, output_tokens=tokens
+        )
 
     async def _stream(
         self,
