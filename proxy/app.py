@@ -237,6 +237,8 @@ class Proxy:
         body: bytes | None = None
         streamed = False
         if request.body_exists:
+            if request.headers.get("Expect", "").lower() == "100-continue":
+                await _continue(request)
             length = request.content_length
             if length is not None and length > self._max_body:
                 return self._too_large(label, rid)
@@ -258,7 +260,7 @@ class Proxy:
                 obj, bad = _json_object(body)
                 if obj is None:
                     return self._reject(400, str(bad), "invalid_json", label, rid)
-                streamed = route.api is not None and obj.get("stream") is True
+                streamed = route.api is not None and _truthy(obj.get("stream"))
         if route.admitted and not body:
             return self._reject(
                 400, "request body must be a JSON object", "invalid_json", label, rid
@@ -492,6 +494,27 @@ def _origin_target(raw: str, path: str) -> str | None:
     return quote(path, safe=_PATH_SAFE) + sep + query
 
 
+async def _continue(request: web.BaseRequest) -> None:
+    """Ask for the body of an ``Expect: 100-continue`` request (aiohttp's low-level server
+    does not): once the request was accepted, before its body is read."""
+    if request.version >= (1, 1) and request.writer.output_size == 0:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+
+
+_TRUE = frozenset({True, "1", "on", "t", "true", "y", "yes"})  # True == 1 == 1.0
+
+
+def _truthy(value: Any) -> bool:
+    """``stream`` as SGLang's pydantic reads it (lax bool: true, 1, "yes", "on", ...)."""
+    if isinstance(value, str):
+        value = value.strip().lower()
+    try:
+        return value in _TRUE
+    except TypeError:  # unhashable
+        return False
+
+
 def _json_object(body: bytes) -> tuple[dict, None] | tuple[None, str]:
     """The request body as a JSON object, or what is wrong with it."""
     try:
@@ -591,6 +614,13 @@ class _Handler(RequestHandler):
             code = "bad_request"
             if (
                 isinstance(exc, http_exceptions.LineTooLong)
+                and len(exc.args) > 1
+                and exc.args[1] == self._server.max_url
+                and self._server.max_url != self.max_field_size
+            ):  # the request line (its URL) is what was too long
+                status, text, code = 414, "request target too long", "uri_too_long"
+            elif (
+                isinstance(exc, http_exceptions.LineTooLong)
                 or "too many headers" in str(message or exc).lower()
                 or "too long" in str(message or exc).lower()
             ):
@@ -617,6 +647,7 @@ class _Server(web.Server):
         self._max_body = max_body
         self.head_timeout = head_timeout
         self.max_connections = max_connections
+        self.max_url = kwargs.get("max_line_size", 8190)
         self.open_connections = 0
         self.on_refused = on_refused
 
@@ -653,7 +684,7 @@ class ProxyServer:
             self.proxy.handle,
             max_body=s.max_body_bytes,
             handler_cancellation=True,  # a client that leaves cancels its upstream at once
-            max_line_size=s.max_header_bytes,
+            max_line_size=s.max_url_bytes,
             max_field_size=s.max_header_bytes,
             max_headers=s.max_headers,
             keepalive_timeout=s.keepalive_s,

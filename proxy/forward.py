@@ -58,6 +58,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 _STALE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+#: request Content-Encodings aiohttp's server decodes before the handler reads the body
+DECODED = frozenset({"gzip", "deflate", "br", "zstd"})
 
 
 class Lease:
@@ -187,6 +189,7 @@ class Forwarder:
         self._rid_header = settings.server.request_id_header
         # With keys set the Authorization header is the proxy's: never sent upstream.
         self._strip_auth = bool(settings.server.api_keys or settings.server.admin_key)
+        self._trust_forwarded = settings.server.trust_forwarded_for
 
     # ---- the retry loop ----------------------------------------------------------------
 
@@ -347,10 +350,18 @@ class Forwarder:
         elif self._strip_auth:
             out.popall("Authorization", None)
         out[self._rid_header] = rid
+        if out.get("Content-Encoding", "").lower() in DECODED:
+            del out["Content-Encoding"]  # aiohttp decoded the body: it goes up as it is now
         peer = request.remote
-        if peer:
+        if self._trust_forwarded:
             prior = src.get("X-Forwarded-For")
-            out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+            if peer:
+                out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+        else:  # a client's own forwarding headers say nothing true
+            out.popall("X-Forwarded-For", None)
+            out.popall("Forwarded", None)
+            if peer:
+                out["X-Forwarded-For"] = peer
         return out
 
     async def _attempt(

@@ -36,6 +36,7 @@ class ServerSettings(Section):
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="larger bodies get 413")
     max_header_bytes: int = Field(16 * 1024, gt=0, description="per header line; larger gets 431")
     max_headers: int = Field(128, gt=0, description="header lines per request; more gets 431")
+    max_url_bytes: int = Field(8192, gt=0, description="longest request target; longer gets 414")
     header_timeout_s: float = Field(
         10.0, gt=0, description="a request head must arrive this soon after its first byte (408)"
     )
@@ -63,6 +64,11 @@ class ServerSettings(Section):
     shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: time streams may finish")
     log_prompts: bool = Field(False, description="log request bodies (prompts) at debug level")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    trust_forwarded_for: bool = Field(
+        False,
+        description="keep a client's X-Forwarded-For (append its address) and Forwarded: only "
+        "behind a proxy that sets them; else they are replaced by the client's address",
+    )
     backend_header: str = Field(
         "X-Pipefill-Backend", description="response header naming the backend that served"
     )
@@ -148,7 +154,22 @@ class BackendSettings(Section):
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {v!r}")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("no user:password@ in the URL: give the backend's key as api_key")
+        if parts.query or parts.fragment or "?" in v or "#" in v:
+            raise ValueError(f"no query or fragment in a backend URL: {v!r}")
+        try:
+            parts.port  # noqa: B018  (raises on a port that is not a number in range)
+        except ValueError:
+            raise ValueError(f"invalid port in {v!r}") from None
         return v.rstrip("/")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and (not v.isprintable() or any(c in v for c in "/ ?#%")):
+            raise ValueError(f"a name without '/', spaces, '?', '#' or '%': {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _default_name(self) -> BackendSettings:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import socket
 
 import aiohttp
@@ -590,3 +591,100 @@ async def test_a_large_body_is_streamed_through_and_a_large_5xx_body_is_not_kept
             assert _error(body)["code"] == "upstream_error"
     finally:
         await runner.cleanup()
+
+
+# ---- the Low items ------------------------------------------------------------------------------
+
+
+async def test_backend_urls_and_names_that_cannot_work_are_refused():
+    async with fakes(1) as (up,), running_proxy([up.url], server={"admin_key": "a"}) as px:
+        admin = {"Authorization": "Bearer a"}
+        for bad in (
+            {"url": f"http://user:pw@127.0.0.1:{up.port}", "api_key": "k"},
+            {"url": f"{up.url}/?x=1"},
+            {"url": f"{up.url}#f"},
+            {"url": up.url, "name": "a/b"},
+            {"url": up.url, "name": "a b"},
+        ):
+            r, body = await _post(px.url + "/admin/backends", bad, headers=admin)
+            assert r.status == 400, bad
+            assert _error(body)["code"] == "invalid_backend"
+        assert len(px.proxy.pool.all()) == 1
+
+
+async def test_a_decoded_request_body_goes_upstream_without_its_content_encoding():
+    async with fakes(1) as (up,), running_proxy([up.url]) as px:
+        body = gzip.compress(orjson.dumps({"model": MODEL, "messages": [], "max_tokens": 2}))
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                px.url + "/v1/chat/completions",
+                data=body,
+                headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+            ) as r,
+        ):
+            assert r.status == 200
+        assert "Content-Encoding" not in up.requests[-1]["headers"]
+
+
+async def test_client_forwarding_headers_are_replaced_unless_trusted():
+    spoof = {"X-Forwarded-For": "6.6.6.6", "Forwarded": "for=6.6.6.6"}
+    for trusted, expected in ((False, "127.0.0.1"), (True, "6.6.6.6, 127.0.0.1")):
+        async with (
+            fakes(1) as (up,),
+            running_proxy([up.url], server={"trust_forwarded_for": trusted}) as px,
+        ):
+            r, _ = await _post(
+                px.url + "/v1/chat/completions", {"model": MODEL, "messages": []}, headers=spoof
+            )
+            assert r.status == 200
+            sent = up.requests[-1]["headers"]
+            assert sent["X-Forwarded-For"] == expected
+            assert ("Forwarded" in sent) is trusted
+
+
+async def test_expect_100_continue_is_answered():
+    async with fakes(1) as (up,), running_proxy([up.url]) as px:
+        body = orjson.dumps({"model": MODEL, "messages": []})
+        reader, writer = await asyncio.open_connection("127.0.0.1", px.port)
+        try:
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body)
+            )
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert interim.startswith(b"HTTP/1.1 100")
+            writer.write(body)
+            out = await asyncio.wait_for(reader.read(), 10)
+            assert out.startswith(b"HTTP/1.1 200")
+        finally:
+            writer.close()
+
+
+async def test_a_long_url_is_414():
+    async with fakes(1) as (up,), running_proxy([up.url]) as px:
+        out = await _raw(
+            px.port, b"GET /v1/models/" + b"m" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        status, body = _status_and_body(out)
+        assert status == 414 and _error(body)["code"] == "uri_too_long"
+        assert up.requests == []
+
+
+async def test_stream_is_read_as_sglang_reads_it():
+    """SGLang's pydantic takes "yes", "true", 1 for a bool: such a request streams, so it is
+    recallable before its first token like any streamed one."""
+    async with fakes(1) as (up,), running_proxy([up.url]) as px:
+        (a,) = px.proxy.pool.all()
+        up.hold_s = 0.5
+        task = asyncio.create_task(
+            _post(
+                px.url + "/v1/chat/completions", {"model": MODEL, "messages": [], "stream": "yes"}
+            )
+        )
+        await wait_for(lambda: up.held == 1)
+        assert a.stats.recall_unanswered(1) == 1  # taken back: it was known to stream
+        up.hold_s = 0
+        r, body = await asyncio.wait_for(task, 10)
+        assert r.status == 200 and body.endswith(b"data: [DONE]\n\n")
