@@ -75,6 +75,8 @@ class Proxy:
         self.scraper: Scraper | None = None
         self.forwarder: Forwarder | None = None
         self.draining = False
+        self.active = 0  # requests being handled (a stream: until its end)
+        self._idle: asyncio.Event | None = None  # set when active falls to 0 (wait_idle)
         self._tasks: list[asyncio.Task] = []
         self._rr = itertools.count()
         self._api_keys = [k.encode() for k in srv.api_keys]
@@ -171,6 +173,25 @@ class Proxy:
     # ---- request handling ------------------------------------------------------------
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.active += 1
+        try:
+            return await self._handle(request)
+        finally:
+            self.active -= 1
+            if not self.active and self._idle is not None:
+                self._idle.set()
+
+    async def wait_idle(self, within: float) -> bool:
+        """Wait up to ``within`` s for no request to be in progress; whether none is."""
+        if self.active:
+            self._idle = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within):
+                    await self._idle.wait()
+            self._idle = None
+        return not self.active
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         t_arrive = time.monotonic()
         path = request.path
         target = _origin_target(request.raw_path, path)
@@ -667,6 +688,7 @@ class ProxyServer:
         self.settings = settings
         self.proxy = Proxy(settings)
         self._runner: web.ServerRunner | None = None
+        self._stopped = False
         self.port: int | None = None
 
     async def start(self) -> None:
@@ -699,15 +721,30 @@ class ProxyServer:
         await site.start()
         self.port = sock.getsockname()[1]
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Stop accepting, let requests in flight finish for up to ``grace`` s, then close."""
-        self.proxy.draining = True
-        if self._runner is not None:
-            if grace is not None:
-                self._runner._shutdown_timeout = grace
-            await self._runner.cleanup()
-            self._runner = None
-        await self.proxy.stop()
+    async def stop(self, grace: float | None = None, pre_stop: float = 0.0) -> None:
+        """The drain: ``/health`` answers 503 at once while the proxy still serves for
+        ``pre_stop`` s (a load balancer sees it and stops sending), then the listener closes,
+        requests in flight get up to ``grace`` s (default ``server.shutdown_grace_s``) to
+        finish, streams still running end with an SSE error event, and the rest is closed."""
+        if self._stopped:
+            return
+        self._stopped = True
+        proxy = self.proxy
+        proxy.draining = True
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            if pre_stop > 0:
+                await asyncio.sleep(pre_stop)
+            for site in list(runner.sites):
+                await site.stop()
+            if grace is None:
+                grace = self.settings.server.shutdown_grace_s
+            await proxy.wait_idle(grace)
+            if proxy.forwarder is not None and proxy.forwarder.cut_streams():
+                await proxy.wait_idle(1.0)  # their last event and [DONE] go out
+            runner._shutdown_timeout = min(grace, 1.0)  # what is left is cancelled
+            await runner.cleanup()
+        await proxy.stop()
 
     @property
     def url(self) -> str:

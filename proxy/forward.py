@@ -106,6 +106,8 @@ class UpstreamError(Exception):
 
 #: kind of a stream ended because its client stopped reading (the client's doing)
 CLIENT_STALLED = "client_stalled"
+#: kind of a relay cut because the proxy shuts down (nobody's failure)
+SHUTDOWN = "shutdown"
 
 
 class _Watchdog:
@@ -167,6 +169,13 @@ class _Watchdog:
     def cancel(self) -> None:
         self.handle.cancel()
 
+    def cut(self) -> None:
+        """End the relay now (shutdown): its pending read fails with SHUTDOWN."""
+        self.handle.cancel()
+        self.fired = SHUTDOWN
+        self.resp.content.set_exception(UpstreamError(SHUTDOWN))
+        self.resp.close()
+
 
 class Forwarder:
     def __init__(
@@ -190,6 +199,15 @@ class Forwarder:
         # With keys set the Authorization header is the proxy's: never sent upstream.
         self._strip_auth = bool(settings.server.api_keys or settings.server.admin_key)
         self._trust_forwarded = settings.server.trust_forwarded_for
+        self._relays: set[_Watchdog] = set()  # responses being relayed (cut on shutdown)
+
+    def cut_streams(self) -> int:
+        """Shutdown: end every relay in progress (an event stream with an SSE error event);
+        how many there were."""
+        relays, self._relays = self._relays, set()
+        for wd in relays:
+            wd.cut()
+        return len(relays)
 
     # ---- the retry loop ----------------------------------------------------------------
 
@@ -545,6 +563,7 @@ class Forwarder:
         out = web.StreamResponse(status=resp.status, headers=headers)
         if resp.content_length is not None:
             out.content_length = resp.content_length
+        self._relays.add(wd)
         # the body's chunks, kept for reading usage while it stays small enough to parse
         parts: list[bytes] | None = [] if read_usage else None
         kept = 0
@@ -580,11 +599,13 @@ class Forwarder:
             return out
         finally:
             wd.cancel()
+            self._relays.discard(wd)
         now = monotonic()
         if failure is not None:
-            self.metrics.upstream_errors.labels(b.name, failure).inc()
-            self.health.record_failure(b, failure)
-            b.stats.observe_completion(False, failure, now - t_arrive)
+            if failure != SHUTDOWN:
+                self.metrics.upstream_errors.labels(b.name, failure).inc()
+                self.health.record_failure(b, failure)
+                b.stats.observe_completion(False, failure, now - t_arrive)
             if request.transport is not None:
                 request.transport.abort()  # the body is cut: the client must not take it whole
         else:
@@ -656,6 +677,7 @@ class Forwarder:
         headers[self._rid_header] = request_id
         out = web.StreamResponse(status=resp.status, headers=headers)
         framer = SSEFramer(self.settings.upstream.max_event_bytes) if api is not None else None
+        self._relays.add(wd)
         counter = TokenCounter(api) if api is not None else None
         observe = counter.observe if counter is not None else None
         first: float | None = None
@@ -708,16 +730,20 @@ class Forwarder:
             return out
         finally:
             wd.cancel()
-        if failure is not None:
+            self._relays.discard(wd)
+        if failure == SHUTDOWN:
+            message, code, status = "the proxy is shutting down", "shutting_down", 503
+        elif failure is not None:
             self.metrics.upstream_errors.labels(b.name, failure).inc()
             self.health.record_failure(b, failure)
             message = {
                 "idle_timeout": "backend stalled mid-stream (idle timeout)",
                 "total_timeout": "request exceeded the total timeout",
             }.get(failure, "backend connection lost mid-stream")
-            tail = b"\n\n" if framer is not None and framer.pending else b""
             code = "upstream_timeout" if failure.endswith("timeout") else "upstream_error"
             status = 504 if failure.endswith("timeout") else 502
+        if failure is not None:
+            tail = b"\n\n" if framer is not None and framer.pending else b""
             await _last_write(
                 request, stall, out.write(tail + sse_error(message, status=status, code=code))
             )
@@ -745,7 +771,7 @@ class Forwarder:
                 bm.tokens.inc(tokens)
             if counter.malformed:
                 bm.malformed.inc(counter.malformed)
-        if failure != "client_disconnect":  # not the backend's doing: no observation
+        if failure not in ("client_disconnect", SHUTDOWN):  # not the backend's doing
             ok = failure is None and (counter is None or counter.error is None)
             kind = failure or (None if ok else "stream_error")
             b.stats.observe_completion(ok, kind, now - t_arrive, output_tokens=tokens)

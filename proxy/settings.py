@@ -61,7 +61,18 @@ class ServerSettings(Section):
         None,
         description="serve /metrics without a key; unset = public unless api_keys is set",
     )
-    shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: time streams may finish")
+    drain_s: float = Field(
+        5.0,
+        ge=0,
+        description="SIGTERM: /health answers 503 this long while the proxy still serves, "
+        "before it stops accepting",
+    )
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="SIGTERM: then the time requests in flight may finish; streams still running "
+        "end with an SSE error event",
+    )
     log_prompts: bool = Field(False, description="log request bodies (prompts) at debug level")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     trust_forwarded_for: bool = Field(

@@ -11,8 +11,9 @@ import socket
 import aiohttp
 import orjson
 from aiohttp import web
-from proxy_support import MODEL, fakes, running_proxy, wait_for
+from proxy_support import MODEL, fakes, proxy_settings, running_proxy, wait_for
 
+from proxy.app import ProxyServer
 from proxy.backends import State
 
 
@@ -688,3 +689,32 @@ async def test_stream_is_read_as_sglang_reads_it():
         up.hold_s = 0
         r, body = await asyncio.wait_for(task, 10)
         assert r.status == 200 and body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_the_drain_is_visible_before_the_listener_closes_and_cut_streams_say_why():
+    async with fakes(1) as (up,):
+        server = ProxyServer(proxy_settings([up.url]))
+        await server.start()
+        try:
+            (b,) = server.proxy.pool.all()
+            url = server.url + "/v1/chat/completions"
+            long = asyncio.create_task(_post(
+                url, {"model": MODEL, "messages": [], "stream": True, "max_tokens": 1000},
+                headers={"X-Fake-Delay": "0.05"},
+            ))  # fmt: skip
+            await wait_for(lambda: up.running == 1)
+            stopping = asyncio.create_task(server.stop(grace=0.3, pre_stop=1.0))
+            await wait_for(lambda: server.proxy.draining)
+            r, body = await _get(server.url + "/health")  # a balancer sees the drain ...
+            assert r.status == 503 and _error(body)["code"] == "shutting_down"
+            r, _ = await _post(url, {"model": MODEL, "messages": [], "max_tokens": 1})
+            assert r.status == 200  # ... while the proxy still serves
+            r, body = await asyncio.wait_for(long, 10)
+            assert r.status == 200
+            events = [e for e in body.split(b"\n\n") if e]
+            assert events[-1] == b"data: [DONE]"
+            assert _error(events[-2].removeprefix(b"data: "))["code"] == "shutting_down"
+            await asyncio.wait_for(stopping, 10)
+            assert b.state is State.HEALTHY and b.consecutive_failures == 0
+        finally:
+            await server.stop(0.1)
