@@ -258,11 +258,11 @@ class Proxy:
         body: bytes | None = None
         streamed = False
         if request.body_exists:
-            if request.headers.get("Expect", "").lower() == "100-continue":
-                await _continue(request)
             length = request.content_length
             if length is not None and length > self._max_body:
                 return self._too_large(label, rid)
+            if request.headers.get("Expect", "").lower() == "100-continue":
+                await _continue(request)
             try:
                 async with asyncio.timeout(self._body_timeout):
                     body = await request.read()
