@@ -39,6 +39,7 @@ def proxy_config(port: int, sim_port: int, ts: float, limit: int | None) -> str:
 host = "127.0.0.1"
 port = {port}
 shutdown_grace_s = 2
+drain_s = 0
 
 [queue]
 deadline_s = 3600

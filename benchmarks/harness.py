@@ -350,7 +350,7 @@ def proxy_toml(
     ts = time_scale
     base: dict[str, dict[str, Any]] = {
         "server": {"host": HOST, "port": port or free_port(), "shutdown_grace_s": 1,
-                   "log_level": "warning"},
+                   "drain_s": 0, "log_level": "warning"},
         "routing": {"policy": policy},
         "limits": {"window_s": 1.0 * ts, "max_window_s": 5.0 * ts,
                    "probe_every_s": LimitSettings().probe_every_s * ts},

@@ -77,6 +77,7 @@ PIPEFILL_CONFIG = """\
 host = "127.0.0.1"
 port = {port}
 log_level = "warning"
+drain_s = 0
 
 [routing]
 policy = "round_robin"

@@ -1,7 +1,9 @@
 """``/admin/*``: list, add, drain, undrain and remove backends; inspect the queue.
 
-Auth: with ``server.admin_key`` set every admin route needs ``Authorization: Bearer <key>``;
-without it the read-only routes are open and the mutating ones answer 403.
+Auth: with ``server.admin_key`` set every admin route needs ``Authorization: Bearer <key>``.
+Without it the mutating routes answer 403, and so does everything while client keys
+(``server.api_keys``) are set; a proxy with no key at all shows the read-only routes to anyone,
+without backend URLs (Proxy.admin_access).
 
     GET    /admin/backends                 every backend with state, in flight, limit, stats
     GET    /admin/backends/{name}
@@ -25,6 +27,18 @@ from proxy.settings import BackendSettings, _first_error
 
 if TYPE_CHECKING:
     from proxy.app import Proxy
+    from proxy.backends import Backend
+
+
+def _describe(b: Backend) -> dict:
+    return b.describe()
+
+
+def _describe_public(b: Backend) -> dict:
+    """What anyone may see of a backend (a proxy without keys): no URL."""
+    out = b.describe()
+    out.pop("url", None)
+    return out
 
 
 def _json(obj: object, status: int = 200) -> web.Response:
@@ -39,12 +53,10 @@ class Admin:
         method = request.method
         parts = [p for p in request.path.split("/") if p][1:]  # after "admin"
         mutating = method not in ("GET", "HEAD")
-        if not self.proxy.admin_allowed(request, mutating):
-            if self.proxy._admin_key is None:
-                return error_response(
-                    403, "admin API is read-only: set server.admin_key", "admin_disabled"
-                )
-            return error_response(401, "invalid or missing admin key", "invalid_admin_key")
+        access = self.proxy.admin_access(request, mutating)
+        if isinstance(access, web.StreamResponse):
+            return access
+        describe = _describe if access else _describe_public
         pool = self.proxy.pool
         if parts == ["queue"] and method == "GET":
             return _json(self.proxy.admission.snapshot())
@@ -52,7 +64,7 @@ class Admin:
             return error_response(404, f"no admin route {request.path}", "not_found")
         if len(parts) == 1:
             if method == "GET":
-                return _json({"backends": [b.describe() for b in pool.all()]})
+                return _json({"backends": [describe(b) for b in pool.all()]})
             if method == "POST":
                 return await self._add(request)
             return self._no_method(method)
@@ -61,7 +73,7 @@ class Admin:
             return error_response(404, f"no backend named {name!r}", "backend_not_found")
         if len(parts) == 2:
             if method == "GET":
-                return _json(pool.get(name).describe())  # type: ignore[union-attr]
+                return _json(describe(pool.get(name)))  # type: ignore[arg-type]
             if method == "DELETE":
                 b = pool.remove(name)
                 return _json({"removed": name, "in_flight": b.in_flight}, 202)

@@ -17,57 +17,33 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
+from proxy import routes
 from proxy.admission import Admission, NoHealthyBackend, QueueFull, QueueTimeout
 from proxy.backends import Backend, BackendPool, State, default_limit_factory
-from proxy.errors import JSON, error_response
+from proxy.errors import JSON, error_body, error_response
 from proxy.forward import Forwarder
 from proxy.health import Health
 from proxy.metrics import CONTENT_TYPE, Metrics, register_adapt_metrics
 from proxy.policies import make_policy
+from proxy.routes import ADMITTED, Access
 from proxy.scrape import Scraper
 from proxy.settings import BackendSettings, Settings
-from proxy.sse import Api
 
 log = logging.getLogger("pipefill")
 
-POST = frozenset({"POST"})
-POST_PUT = frozenset({"POST", "PUT"})
-PASS_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "HEAD"})
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    api: Api | None  # how to read its SSE events (None: relay only)
-    methods: frozenset[str]
-    admitted: bool = True  # goes through the queue and the limits
-
-
-ROUTES: dict[str, Route] = {
-    "/v1/chat/completions": Route("chat", POST),
-    "/v1/completions": Route("completions", POST),
-    "/generate": Route("generate", POST_PUT),
-    "/v1/embeddings": Route(None, POST),
-    "/v1/rerank": Route(None, POST_PUT),
-    "/v1/score": Route(None, POST),
-    "/v1/classify": Route(None, POST),
-    "/v1/responses": Route(None, POST),
-    "/encode": Route(None, POST_PUT),
-    "/classify": Route(None, POST_PUT),
-    "/invocations": Route("chat", POST),
-}
 OWN = frozenset({"/health", "/metrics", "/v1/models"})
 
 
 class _DirectLease:
-    """Pass-through routes (model info, loads, ...) bypass the queue and hold no slot."""
+    """Passed and admin routes (model info, server info, ...) bypass the queue, hold no slot."""
 
     __slots__ = ("backend",)
 
@@ -99,14 +75,22 @@ class Proxy:
         self.scraper: Scraper | None = None
         self.forwarder: Forwarder | None = None
         self.draining = False
+        self.active = 0  # requests being handled (a stream: until its end)
+        self._idle: asyncio.Event | None = None  # set when active falls to 0 (wait_idle)
         self._tasks: list[asyncio.Task] = []
         self._rr = itertools.count()
         self._api_keys = [k.encode() for k in srv.api_keys]
         self._batch_keys = [k.encode() for k in settings.queue.batch_api_keys]
         self._admin_key = srv.admin_key.encode() if srv.admin_key else None
+        # /metrics: a client key or the admin key opens it; public when metrics_public is
+        # true, or unset and no client key is set, or when there is no key to ask for
+        self._metrics_keys = [*self._api_keys, *([self._admin_key] if self._admin_key else [])]
+        public = srv.metrics_public if srv.metrics_public is not None else not srv.api_keys
+        self._metrics_public = public or not self._metrics_keys
         self._priority_header = settings.queue.priority_header
         self._rid_header = srv.request_id_header
         self._max_body = srv.max_body_bytes
+        self._body_timeout = srv.body_timeout_s
         from proxy.admin import Admin
 
         self.admin = Admin(self)
@@ -189,9 +173,44 @@ class Proxy:
     # ---- request handling ------------------------------------------------------------
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.active += 1
+        try:
+            return await self._handle(request)
+        finally:
+            self.active -= 1
+            if not self.active and self._idle is not None:
+                self._idle.set()
+
+    async def wait_idle(self, within: float) -> bool:
+        """Wait up to ``within`` s for no request to be in progress; whether none is."""
+        if self.active:
+            self._idle = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within):
+                    await self._idle.wait()
+            self._idle = None
+        return not self.active
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         t_arrive = time.monotonic()
         path = request.path
-        route = ROUTES.get(path)
+        target = _origin_target(request.raw_path, path)
+        if target is None:
+            return self._reject(
+                400,
+                "the request target must be a path (origin-form), e.g. /v1/chat/completions",
+                "invalid_target",
+                "other",
+                os.urandom(12).hex(),
+            )
+        bad = _undecodable_header(request.headers)
+        if bad is not None:  # before any header is read as text
+            rid = os.urandom(12).hex()
+            if bad == "authorization":
+                message = "the Authorization header is not valid UTF-8"
+                return self._reject(401, message, "invalid_api_key", "other", rid)
+            return self._reject(400, "a header is not valid UTF-8", "invalid_header", "other", rid)
+        route = ADMITTED.get(path)
         if route is None:
             if path in OWN:
                 resp = await self._own(request, path)
@@ -199,10 +218,13 @@ class Proxy:
                     return resp  # else: /v1/models not known yet, ask a backend
             if path.startswith("/admin/") or path == "/admin":
                 return await self.admin.handle(request)
+            route = routes.lookup(path)
         rid = request.headers.get(self._rid_header) or os.urandom(12).hex()
-        label = path if route is not None else "other"
+        if route is None:
+            return self._reject(404, f"no such route: {path[:200]}", "not_found", "other", rid)
+        label = path if route.admitted else "other"
         method = request.method
-        if route is not None and method not in route.methods:
+        if method not in route.methods:
             return self._reject(
                 405,
                 f"method {method} not allowed on {path}",
@@ -211,17 +233,21 @@ class Proxy:
                 rid,
                 allow=", ".join(sorted(route.methods)),
             )
-        if route is None and method not in PASS_METHODS:
-            return self._reject(
-                405,
-                f"method {method} not supported",
-                "method_not_allowed",
-                label,
-                rid,
-                allow=", ".join(sorted(PASS_METHODS)),
-            )
         key = self._client_key(request)
-        if self._api_keys and not _key_in(key, self._api_keys):
+        if route.access is Access.ADMIN:
+            if self._admin_key is None:
+                return self._reject(
+                    403,
+                    "admin routes are disabled: set server.admin_key",
+                    "admin_disabled",
+                    label,
+                    rid,
+                )
+            if key is None or not hmac.compare_digest(key, self._admin_key):
+                return self._reject(
+                    401, "invalid or missing admin key", "invalid_admin_key", label, rid
+                )
+        elif self._api_keys and not _key_in(key, self._api_keys):
             return self._reject(
                 401,
                 "invalid or missing API key (Authorization: Bearer ...)",
@@ -235,16 +261,28 @@ class Proxy:
             length = request.content_length
             if length is not None and length > self._max_body:
                 return self._too_large(label, rid)
+            if request.headers.get("Expect", "").lower() == "100-continue":
+                await _continue(request)
             try:
-                body = await request.read()
+                async with asyncio.timeout(self._body_timeout):
+                    body = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 return self._too_large(label, rid)
-            if route is not None and body:
+            except TimeoutError:
+                resp = self._reject(
+                    408, "request body not received in time", "request_timeout", label, rid
+                )
+                # answer, then close at once: no lingering read of a body that does not come
+                await resp.prepare(request)
+                await resp.write_eof()
+                request.protocol.force_close()
+                return resp
+            if route.admitted and body:
                 obj, bad = _json_object(body)
                 if obj is None:
                     return self._reject(400, str(bad), "invalid_json", label, rid)
-                streamed = route.api is not None and obj.get("stream") is True
-        if route is not None and not body:
+                streamed = route.api is not None and _truthy(obj.get("stream"))
+        if route.admitted and not body:
             return self._reject(
                 400, "request body must be a JSON object", "invalid_json", label, rid
             )
@@ -252,7 +290,25 @@ class Proxy:
             log.info(
                 "request %s %s %s body=%s", rid, method, path, body[:4096].decode(errors="replace")
             )
-        if route is not None and route.admitted:
+        if route.access is Access.ADMIN:
+            named = request.headers.get(self.settings.server.backend_header)
+            if named is not None and named not in self.pool:
+                return self._reject(404, "no backend of that name", "backend_not_found", label, rid)
+            if route.fanout:
+                return await self.forwarder.fan_out(  # type: ignore[union-attr]
+                    request,
+                    body,
+                    target=target,
+                    backends=[
+                        b for b in self.pool.all() if not b.removing and named in (None, b.name)
+                    ],
+                    request_id=rid,
+                )
+            if named is not None:
+                acquire = self._named_acquire(named)
+            else:
+                acquire = self._direct_acquire
+        elif route.admitted:
             priority = self._priority(request, key)
 
             def acquire(exclude: frozenset[str], recalled: bool = False) -> Any:
@@ -266,8 +322,9 @@ class Proxy:
         return await self.forwarder.forward(  # type: ignore[union-attr]
             request,
             body,
+            target=target,
             route=label,
-            api=route.api if route else None,
+            api=route.api,
             streamed=streamed,
             acquire=acquire,
             request_id=rid,
@@ -283,6 +340,17 @@ class Proxy:
         if not healthy:
             raise NoHealthyBackend()
         return _DirectLease(healthy[next(self._rr) % len(healthy)])
+
+    def _named_acquire(self, name: str) -> Any:
+        """Admin routes sent to the backend named in the request's backend header."""
+
+        async def acquire(exclude: frozenset[str], recalled: bool = False) -> _DirectLease:
+            b = self.pool.get(name)
+            if b is None or name in exclude:
+                raise NoHealthyBackend()
+            return _DirectLease(b)
+
+        return acquire
 
     def _admission_error(self, e: BaseException) -> web.Response | None:
         if isinstance(e, QueueFull):
@@ -304,14 +372,16 @@ class Proxy:
     def _client_key(self, request: web.BaseRequest) -> bytes | None:
         auth = request.headers.get("Authorization")
         if auth and auth[:7].lower() == "bearer ":
-            return auth[7:].strip().encode()
+            return auth[7:].strip().encode("utf-8", "surrogateescape")
         return None
 
     def _priority(self, request: web.BaseRequest, key: bytes | None) -> str:
-        value = request.headers.get(self._priority_header)
-        if value:
-            return "batch" if value.strip().lower() == "batch" else "interactive"
+        """``batch`` for a key in ``queue.batch_api_keys`` or a ``batch`` priority header: the
+        header may only lower a request's priority, never lift a batch key's."""
         if key is not None and self._batch_keys and _key_in(key, self._batch_keys):
+            return "batch"
+        value = request.headers.get(self._priority_header)
+        if value and value.strip().lower() == "batch":
             return "batch"
         return "interactive"
 
@@ -352,11 +422,8 @@ class Proxy:
         if path == "/health":
             return self._health()
         if path == "/metrics":
-            if (
-                not self.settings.server.metrics_public
-                and self._api_keys
-                and not _key_in(self._client_key(request), self._api_keys)
-            ):
+            key = self._client_key(request)
+            if not self._metrics_public and not _key_in(key, self._metrics_keys):
                 return error_response(401, "invalid or missing API key", "invalid_api_key")
             return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
         if self._api_keys and not _key_in(self._client_key(request), self._api_keys):
@@ -385,11 +452,21 @@ class Proxy:
             body=orjson.dumps({"object": "list", "data": list(models.values())}), content_type=JSON
         )
 
-    def admin_allowed(self, request: web.BaseRequest, mutating: bool) -> bool:
-        key = self._client_key(request)
-        if self._admin_key is None:
-            return not mutating
-        return key is not None and hmac.compare_digest(key, self._admin_key)
+    def admin_access(self, request: web.BaseRequest, mutating: bool) -> bool | web.Response:
+        """Who calls ``/admin/*``: True for the admin (``server.admin_key``); False for anyone,
+        read-only and shown no backend URL, which only a proxy without any key allows; else
+        the error to answer (401 wrong admin key; 403 no admin key while other keys are set,
+        or a change without an admin key)."""
+        if self._admin_key is not None:
+            key = self._client_key(request)
+            if key is not None and hmac.compare_digest(key, self._admin_key):
+                return True
+            return error_response(401, "invalid or missing admin key", "invalid_admin_key")
+        if mutating or self._api_keys:
+            return error_response(
+                403, "the admin API needs an admin key: set server.admin_key", "admin_disabled"
+            )
+        return False
 
 
 def _key_in(key: bytes | None, keys: list[bytes]) -> bool:
@@ -401,12 +478,70 @@ def _key_in(key: bytes | None, keys: list[bytes]) -> bool:
     return found
 
 
+def _undecodable_header(headers: Any) -> str | None:
+    """The lower-cased name of the first header whose value is not valid UTF-8 (aiohttp keeps
+    such bytes as surrogates, which cannot be compared as a key nor sent upstream), or None."""
+    for name, value in headers.items():
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return name.lower()
+    return None
+
+
+#: characters left unescaped when a decoded path is quoted again (RFC 3986 pchar and "/")
+_PATH_SAFE = "/!$&'()*+,;=:@-._~"
+
+
+def _origin_target(raw: str, path: str) -> str | None:
+    """What is sent upstream: the path and query of an origin-form request target, or None.
+
+    Absolute-form (``http://host/...``), authority-form (``host:443``), asterisk-form (``*``),
+    a path starting ``//``, dot segments, fragments and non-ASCII bytes are refused. The path
+    forwarded is the one the proxy matched its routes against (decoded, quoted again), so a
+    backend never routes on a different path than the proxy checked.
+    """
+    if not raw.startswith("/") or raw.startswith("//") or not raw.isascii() or "#" in raw:
+        return None
+    raw_path, sep, query = raw.partition("?")
+    if "%" not in raw_path and "/." not in raw_path:
+        return raw  # nothing encoded, no dot segment: already what was matched
+    if not path.startswith("/") or path.startswith("//"):
+        return None
+    segments = path.split("/")
+    if "." in segments or ".." in segments:
+        return None
+    return quote(path, safe=_PATH_SAFE) + sep + query
+
+
+async def _continue(request: web.BaseRequest) -> None:
+    """Ask for the body of an ``Expect: 100-continue`` request (aiohttp's low-level server
+    does not): once the request was accepted, before its body is read."""
+    if request.version >= (1, 1) and request.writer.output_size == 0:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+
+
+_TRUE = frozenset({True, "1", "on", "t", "true", "y", "yes"})  # True == 1 == 1.0
+
+
+def _truthy(value: Any) -> bool:
+    """``stream`` as SGLang's pydantic reads it (lax bool: true, 1, "yes", "on", ...)."""
+    if isinstance(value, str):
+        value = value.strip().lower()
+    try:
+        return value in _TRUE
+    except TypeError:  # unhashable
+        return False
+
+
 def _json_object(body: bytes) -> tuple[dict, None] | tuple[None, str]:
     """The request body as a JSON object, or what is wrong with it."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        return None, f"request body is not valid JSON: {e}"
+        return None, f"request body is not valid JSON (line {e.lineno}, column {e.colno})"
     if not isinstance(obj, dict):
         return None, "request body must be a JSON object"
     return obj, None
@@ -415,8 +550,79 @@ def _json_object(body: bytes) -> tuple[dict, None] | tuple[None, str]:
 # ---- the server ---------------------------------------------------------------------------
 
 
+def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 error response, for where no request object exists yet."""
+    body = error_body(message, status=status, code=code)
+    return (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {JSON}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+
+
+_HEAD_TIMEOUT = _raw_error(
+    408, "Request Timeout", "request head not received in time", "request_timeout"
+)
+_TOO_MANY = _raw_error(
+    503,
+    "Service Unavailable",
+    "too many connections to the proxy; retry later",
+    "too_many_connections",
+)
+
+
 class _Handler(RequestHandler):
-    """aiohttp's protocol handler, answering malformed HTTP with OpenAI-shaped errors."""
+    """aiohttp's protocol handler, answering malformed HTTP with OpenAI-shaped errors, closing a
+    connection whose request head does not arrive within ``head_timeout`` of its first byte
+    (408), and refusing connections beyond the server's cap (503)."""
+
+    def __init__(self, manager: _Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._server = manager
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        server = self._server
+        if server.max_connections and server.open_connections >= server.max_connections:
+            self._force_close = True  # never parsed, never handled
+            transport.write(_TOO_MANY)  # type: ignore[attr-defined]
+            transport.close()
+            server.on_refused()
+            return
+        self._counted = True
+        server.open_connections += 1
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._counted:
+            self._counted = False
+            self._server.open_connections -= 1
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        parsed = self._request_count
+        super().data_received(data)
+        if self._request_count != parsed:  # a request head completed
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+        elif (
+            data
+            and self._head_timer is None
+            and not self._request_in_progress
+            and not self._force_close
+        ):  # the first bytes of a new head
+            self._head_timer = self._loop.call_later(self._server.head_timeout, self._head_expired)
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self._request_in_progress or self._messages or self.transport is None:
+            return  # not waiting for a head after all
+        self.transport.write(_HEAD_TIMEOUT)
+        self.force_close()
 
     def handle_error(self, request, status=500, exc=None, message=None):  # type: ignore[override]
         if request.writer.output_size > 0:
@@ -429,23 +635,42 @@ class _Handler(RequestHandler):
             code = "bad_request"
             if (
                 isinstance(exc, http_exceptions.LineTooLong)
+                and len(exc.args) > 1
+                and exc.args[1] == self._server.max_url
+                and self._server.max_url != self.max_field_size
+            ):  # the request line (its URL) is what was too long
+                status, text, code = 414, "request target too long", "uri_too_long"
+            elif (
+                isinstance(exc, http_exceptions.LineTooLong)
                 or "too many headers" in str(message or exc).lower()
                 or "too long" in str(message or exc).lower()
             ):
                 status, text, code = 431, "request headers too large", "headers_too_large"
             elif isinstance(exc, http_exceptions.BadHttpMethod):
                 status, text, code = 405, "unsupported HTTP method", "method_not_allowed"
-            elif exc is not None:
-                text = f"malformed request: {getattr(exc, 'message', None) or type(exc).__name__}"
             resp = error_response(status, text, code)
         resp.force_close()
         return resp
 
 
 class _Server(web.Server):
-    def __init__(self, handler: Any, *, max_body: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        handler: Any,
+        *,
+        max_body: int,
+        head_timeout: float,
+        max_connections: int,
+        on_refused: Any = lambda: None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(handler, **kwargs)
         self._max_body = max_body
+        self.head_timeout = head_timeout
+        self.max_connections = max_connections
+        self.max_url = kwargs.get("max_line_size", 8190)
+        self.open_connections = 0
+        self.on_refused = on_refused
 
     def __call__(self) -> RequestHandler:
         return _Handler(self, loop=self._loop, **self._kwargs)
@@ -463,6 +688,7 @@ class ProxyServer:
         self.settings = settings
         self.proxy = Proxy(settings)
         self._runner: web.ServerRunner | None = None
+        self._stopped = False
         self.port: int | None = None
 
     async def start(self) -> None:
@@ -480,9 +706,13 @@ class ProxyServer:
             self.proxy.handle,
             max_body=s.max_body_bytes,
             handler_cancellation=True,  # a client that leaves cancels its upstream at once
-            max_line_size=s.max_header_bytes,
+            max_line_size=s.max_url_bytes,
             max_field_size=s.max_header_bytes,
             max_headers=s.max_headers,
+            keepalive_timeout=s.keepalive_s,
+            head_timeout=s.header_timeout_s,
+            max_connections=s.max_connections,
+            on_refused=lambda: self.proxy.metrics.rejections.labels("too_many_connections").inc(),
             access_log=None,
         )
         self._runner = web.ServerRunner(server, shutdown_timeout=s.shutdown_grace_s)
@@ -491,15 +721,30 @@ class ProxyServer:
         await site.start()
         self.port = sock.getsockname()[1]
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Stop accepting, let requests in flight finish for up to ``grace`` s, then close."""
-        self.proxy.draining = True
-        if self._runner is not None:
-            if grace is not None:
-                self._runner._shutdown_timeout = grace
-            await self._runner.cleanup()
-            self._runner = None
-        await self.proxy.stop()
+    async def stop(self, grace: float | None = None, pre_stop: float = 0.0) -> None:
+        """The drain: ``/health`` answers 503 at once while the proxy still serves for
+        ``pre_stop`` s (a load balancer sees it and stops sending), then the listener closes,
+        requests in flight get up to ``grace`` s (default ``server.shutdown_grace_s``) to
+        finish, streams still running end with an SSE error event, and the rest is closed."""
+        if self._stopped:
+            return
+        self._stopped = True
+        proxy = self.proxy
+        proxy.draining = True
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            if pre_stop > 0:
+                await asyncio.sleep(pre_stop)
+            for site in list(runner.sites):
+                await site.stop()
+            if grace is None:
+                grace = self.settings.server.shutdown_grace_s
+            await proxy.wait_idle(grace)
+            if proxy.forwarder is not None and proxy.forwarder.cut_streams():
+                await proxy.wait_idle(1.0)  # their last event and [DONE] go out
+            runner._shutdown_timeout = min(grace, 1.0)  # what is left is cancelled
+            await runner.cleanup()
+        await proxy.stop()
 
     @property
     def url(self) -> str:

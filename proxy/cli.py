@@ -3,9 +3,11 @@
     proxy --config config/proxy.toml
     proxy --backend http://127.0.0.1:30000 --backend http://127.0.0.1:30001 --port 8080
 
-SIGTERM/SIGINT: stop accepting, let requests in flight finish for up to
-``server.shutdown_grace_s``, exit. SIGHUP: re-read the configuration and apply its backend list
-(added ones join, missing ones drain and leave, streams in flight are untouched).
+SIGTERM/SIGINT: /health answers 503 for ``server.drain_s`` while the proxy still serves, then it
+stops accepting, lets requests in flight finish for up to ``server.shutdown_grace_s`` (streams
+still running then end with an SSE error event), exits. SIGHUP: re-read the configuration and
+apply its backend list (added ones join, missing ones drain and leave, streams in flight are
+untouched).
 """
 
 from __future__ import annotations
@@ -88,9 +90,14 @@ async def serve(settings: Settings, config: str | None, overrides: dict[str, Any
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload)
     await stop.wait()
-    grace = settings.server.shutdown_grace_s
-    log.info("shutting down: waiting up to %.0f s for requests in flight", grace)
-    await server.stop(grace)
+    grace, drain = settings.server.shutdown_grace_s, settings.server.drain_s
+    log.info(
+        "shutting down: /health says 503 for %.0f s while serving, then up to %.0f s for "
+        "requests in flight",
+        drain,
+        grace,
+    )
+    await server.stop(grace, pre_stop=drain)
     log.info("stopped")
 
 

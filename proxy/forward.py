@@ -18,7 +18,6 @@ between chunks and total, the last two enforced by one lazily rescheduled timer 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -30,9 +29,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from proxy.backends import Backend, BackendPool
-from proxy.errors import JSON, error_response, sse_error
+from proxy.errors import JSON, error_object, error_response, sse_error
 from proxy.health import Health
 from proxy.metrics import Metrics
 from proxy.settings import Settings
@@ -58,6 +58,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 _STALE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+#: request Content-Encodings aiohttp's server decodes before the handler reads the body
+DECODED = frozenset({"gzip", "deflate", "br", "zstd"})
 
 
 class Lease:
@@ -73,6 +75,8 @@ class Lease:
 Acquire = Callable[[frozenset[str], bool], Awaitable[Any]]
 #: Failure kind of a request recalled from a backend that queued it (see _Pending)
 RECALLED = "recalled"
+#: Failure kind of an exception on the proxy's own side (never held against a backend)
+LOCAL = "proxy_error"
 
 
 @dataclass(slots=True)
@@ -100,39 +104,63 @@ class UpstreamError(Exception):
         self.kind = kind
 
 
-WRITING = float("inf")  # _Watchdog.last while a write to the client is in progress
+#: kind of a stream ended because its client stopped reading (the client's doing)
+CLIENT_STALLED = "client_stalled"
+#: kind of a relay cut because the proxy shuts down (nobody's failure)
+SHUTDOWN = "shutdown"
 
 
 class _Watchdog:
-    """Idle-gap and total deadlines of one upstream response, for the price of one timer.
+    """Idle-gap and total deadlines of one upstream response, and the write-stall deadline of
+    its client, for the price of one timer.
 
-    The timer is rescheduled only when it fires (``last`` is a plain attribute write per
-    chunk). On expiry the response's stream gets an UpstreamError and the connection is closed,
-    which wakes the pending read.
+    The timer is rescheduled only when it fires. ``last`` is a plain attribute write per chunk:
+    the time the backend last sent, or, while a write to the client is in progress, minus the
+    time that write began. On an upstream expiry the response's stream gets an UpstreamError
+    and the connection is closed, which wakes the pending read; a client that has not taken a
+    write for ``stall`` seconds has its connection aborted, which ends the write (and frees the
+    backend slot).
     """
 
-    __slots__ = ("deadline", "fired", "handle", "idle", "last", "loop", "resp")
+    __slots__ = ("client", "deadline", "fired", "handle", "idle", "last", "loop", "resp", "stall")
 
-    def __init__(self, resp: aiohttp.ClientResponse, idle: float, deadline: float) -> None:
+    def __init__(
+        self,
+        resp: aiohttp.ClientResponse,
+        idle: float,
+        deadline: float,
+        client: asyncio.BaseTransport | None = None,
+        stall: float = float("inf"),
+    ) -> None:
         self.loop = asyncio.get_running_loop()
         self.resp = resp
         self.idle = idle
         self.deadline = deadline
+        self.client = client
+        self.stall = stall
         self.last = time.monotonic()
         self.fired: str | None = None
-        self.handle = self.loop.call_later(min(idle, deadline - self.last), self._check)
+        # (a write that starts blocking is noticed within two stall periods)
+        self.handle = self.loop.call_later(min(idle, stall, deadline - self.last), self._check)
 
     def _check(self) -> None:
         now = time.monotonic()
+        last = self.last
         if now >= self.deadline:
             self.fired = "total_timeout"
-        elif self.last == WRITING:  # blocked on a slow client, not waiting on the backend
-            self.handle = self.loop.call_later(min(self.idle, self.deadline - now), self._check)
+        elif last <= 0:  # writing to the client since -last: not waiting on the backend
+            blocked = now + last
+            if self.client is not None and blocked >= self.stall:
+                self.fired = CLIENT_STALLED
+                self.client.abort()
+                return
+            delay = min(self.idle, self.stall - blocked, self.deadline - now)
+            self.handle = self.loop.call_later(delay, self._check)
             return
-        elif now - self.last >= self.idle:
+        elif now - last >= self.idle:
             self.fired = "idle_timeout"
         else:
-            delay = min(self.last + self.idle, self.deadline) - now
+            delay = min(min(last + self.idle, self.deadline) - now, self.stall)
             self.handle = self.loop.call_later(delay, self._check)
             return
         self.resp.content.set_exception(UpstreamError(self.fired))
@@ -140,6 +168,13 @@ class _Watchdog:
 
     def cancel(self) -> None:
         self.handle.cancel()
+
+    def cut(self) -> None:
+        """End the relay now (shutdown): its pending read fails with SHUTDOWN."""
+        self.handle.cancel()
+        self.fired = SHUTDOWN
+        self.resp.content.set_exception(UpstreamError(SHUTDOWN))
+        self.resp.close()
 
 
 class Forwarder:
@@ -161,7 +196,18 @@ class Forwarder:
         self._retry_statuses = frozenset(settings.retries.retry_statuses)
         self._backend_header = settings.server.backend_header
         self._rid_header = settings.server.request_id_header
-        self._strip_auth = bool(settings.server.api_keys)
+        # With keys set the Authorization header is the proxy's: never sent upstream.
+        self._strip_auth = bool(settings.server.api_keys or settings.server.admin_key)
+        self._trust_forwarded = settings.server.trust_forwarded_for
+        self._relays: set[_Watchdog] = set()  # responses being relayed (cut on shutdown)
+
+    def cut_streams(self) -> int:
+        """Shutdown: end every relay in progress (an event stream with an SSE error event);
+        how many there were."""
+        relays, self._relays = self._relays, set()
+        for wd in relays:
+            wd.cut()
+        return len(relays)
 
     # ---- the retry loop ----------------------------------------------------------------
 
@@ -170,6 +216,7 @@ class Forwarder:
         request: web.BaseRequest,
         body: bytes | None,
         *,
+        target: str,
         route: str,
         api: Api | None,
         streamed: bool = False,
@@ -179,8 +226,9 @@ class Forwarder:
         on_reject: Callable[[BaseException], web.Response | None],
     ) -> web.StreamResponse:
         """``acquire(exclude, recalled)`` returns a lease or raises (``on_reject`` turns that
-        into a response, or returns None to re-raise). ``streamed``: the client asked for a
-        stream (such a request can be recalled before its first token, see _Pending)."""
+        into a response, or returns None to re-raise). ``target``: the origin-form path and
+        query sent upstream. ``streamed``: the client asked for a stream (such a request can be
+        recalled before its first token, see _Pending)."""
         rid_headers = {self._rid_header: request_id}
         excluded: set[str] = set()
         last: Failure | None = None
@@ -208,6 +256,7 @@ class Forwarder:
                     request,
                     body,
                     backend,
+                    target=target,
                     api=api,
                     streamed=streamed,
                     route=route,
@@ -244,6 +293,64 @@ class Forwarder:
         self.metrics.requests.labels(name, route, str(resp.status)).inc()
         return resp
 
+    # ---- admin calls meant for the whole fleet -----------------------------------------
+
+    async def fan_out(
+        self,
+        request: web.BaseRequest,
+        body: bytes | None,
+        *,
+        target: str,
+        backends: list[Backend],
+        request_id: str,
+    ) -> web.Response:
+        """Send one admin call to every backend in ``backends`` at once; answer with what each
+        said: ``{"ok": bool, "backends": {name: {"status", "body"} | {"status": null,
+        "error"}}}``, 200 when every backend answered 2xx, else 502 with an OpenAI-shaped
+        ``error`` beside the per-backend detail. Neither health nor stats see these calls."""
+
+        async def one(b: Backend) -> dict[str, Any]:
+            headers = self._upstream_headers(request, b, request_id)
+            url = URL(b.url + target, encoded=True)
+            try:
+                async with asyncio.timeout(self._t.total_s):
+                    async with self.session.request(
+                        request.method, url, data=body, headers=headers, allow_redirects=False
+                    ) as resp:
+                        data = await resp.content.read(FANOUT_BODY_CAP + 1)
+                        ctype = resp.headers.get("Content-Type", "")
+                        return {"status": resp.status, **_fanout_body(data, ctype)}
+            except TimeoutError:
+                return {"status": None, "error": "timed out"}
+            except (aiohttp.ClientError, OSError):
+                return {"status": None, "error": "could not reach the backend"}
+            except Exception as e:  # the proxy's own fault: logged, never the backend's
+                log.error(
+                    "request %s: fan-out to %s failed locally", request_id, b.name, exc_info=e
+                )
+                return {"status": None, "error": "internal proxy error"}
+
+        results = await asyncio.gather(*(one(b) for b in backends))
+        answers = {b.name: r for b, r in zip(backends, results, strict=True)}
+        failed = [n for n, r in answers.items() if not (r["status"] and 200 <= r["status"] < 300)]
+        out: dict[str, Any] = {"ok": not failed and bool(answers), "backends": answers}
+        status = 200
+        if failed or not answers:
+            status = 502
+            message = (
+                f"{len(failed)} of {len(answers)} backends did not succeed"
+                if answers
+                else "no backend to send to"
+            )
+            out["error"] = error_object(message, status=502, code="fanout_failed")
+        self.metrics.requests.labels("none", "other", str(status)).inc()
+        return web.Response(
+            status=status,
+            body=orjson.dumps(out),
+            content_type=JSON,
+            headers={self._rid_header: request_id},
+        )
+
     # ---- one attempt -------------------------------------------------------------------
 
     def _upstream_headers(self, request: web.BaseRequest, b: Backend, rid: str) -> CIMultiDict:
@@ -261,10 +368,18 @@ class Forwarder:
         elif self._strip_auth:
             out.popall("Authorization", None)
         out[self._rid_header] = rid
+        if out.get("Content-Encoding", "").lower() in DECODED:
+            del out["Content-Encoding"]  # aiohttp decoded the body: it goes up as it is now
         peer = request.remote
-        if peer:
+        if self._trust_forwarded:
             prior = src.get("X-Forwarded-For")
-            out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+            if peer:
+                out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+        else:  # a client's own forwarding headers say nothing true
+            out.popall("X-Forwarded-For", None)
+            out.popall("Forwarded", None)
+            if peer:
+                out["X-Forwarded-For"] = peer
         return out
 
     async def _attempt(
@@ -273,6 +388,7 @@ class Forwarder:
         body: bytes | None,
         b: Backend,
         *,
+        target: str,
         api: Api | None,
         streamed: bool,
         route: str,
@@ -283,7 +399,7 @@ class Forwarder:
         pending = _Pending(b.stats, time.monotonic(), streamed)
         try:
             return await self._exchange(
-                request, body, b, headers, pending, api, route, request_id, t_arrive
+                request, body, b, target, headers, pending, api, route, request_id, t_arrive
             )
         finally:
             pending.answered()
@@ -293,6 +409,7 @@ class Forwarder:
         request: web.BaseRequest,
         body: bytes | None,
         b: Backend,
+        target: str,
         headers: CIMultiDict,
         pending: _Pending,
         api: Api | None,
@@ -300,7 +417,7 @@ class Forwarder:
         request_id: str,
         t_arrive: float,
     ) -> web.StreamResponse | Failure:
-        url = b.url + request.raw_path
+        url = URL(b.url + target, encoded=True)
         t_send = pending.t_send
         deadline = t_send + self._t.total_s
         bm = self.metrics.backend(b.name)
@@ -332,7 +449,7 @@ class Forwarder:
             task = asyncio.current_task()
             if pending.recalled and task is not None and task.uncancel() == 0:
                 return Failure(
-                    RECALLED, 503, f"recalled from {b.name}", "upstream_recalled", retryable=True
+                    RECALLED, 503, "recalled from its backend", "upstream_recalled", retryable=True
                 )
             bm.disconnects.inc()
             raise
@@ -342,8 +459,12 @@ class Forwarder:
             return self._fail(b, "first_byte_timeout", 504, "upstream sent no response in time")
         except aiohttp.ClientConnectorError:
             return self._fail(b, "connect", 502, "could not connect to the backend")
-        except (aiohttp.ClientError, OSError) as e:
-            return self._fail(b, "disconnect", 502, f"backend closed the connection ({e})")
+        except aiohttp.InvalidURL as e:  # the proxy's own doing, not the backend's
+            return self._local_failure(e, request_id)
+        except (aiohttp.ClientError, OSError):
+            return self._fail(b, "disconnect", 502, "backend closed the connection")
+        except Exception as e:
+            return self._local_failure(e, request_id)
 
         try:
             if resp.status in self._retry_statuses:
@@ -360,32 +481,43 @@ class Forwarder:
             resp.close() if not resp.closed and not _done(resp) else resp.release()
 
     def _fail(self, b: Backend, kind: str, status: int, message: str) -> Failure:
+        """A failure of the backend's: counted against its health and in its stats. The
+        message names no backend (the response's backend header does) and no exception."""
         self.metrics.upstream_errors.labels(b.name, kind).inc()
         self.health.record_failure(b, kind)
         b.stats.observe_completion(False, kind)
         code = "upstream_timeout" if kind.endswith("timeout") else "upstream_error"
-        return Failure(kind, status, f"{message} ({b.name})", code, retryable=True)
+        return Failure(kind, status, message, code, retryable=True)
+
+    @staticmethod
+    def _local_failure(e: BaseException, request_id: str) -> Failure:
+        """An exception on the proxy's own side before anything reached the backend: never
+        the backend's fault (no health, no stats, no retry); logged once, 500 to the client."""
+        log.error("request %s: local error before sending upstream", request_id, exc_info=e)
+        return Failure(LOCAL, 500, "internal proxy error", "internal_error", retryable=False)
 
     async def _upstream_5xx(
         self, b: Backend, resp: aiohttp.ClientResponse, deadline: float
     ) -> Failure:
+        """A retry status: the backend's own body is kept (up to ERROR_BODY_CAP bytes; a larger
+        one is dropped for the proxy's own error) in case no other backend does better."""
         kind = f"http_{resp.status}"
-        try:
-            data = await self._read_all(resp, deadline)
-        except (UpstreamError, aiohttp.ClientError, OSError):
-            data = b""
-        f = self._fail(b, kind, resp.status, f"backend answered {resp.status}")
-        f.upstream = (resp.status, _response_headers(resp.headers), data)
-        return f
-
-    async def _read_all(self, resp: aiohttp.ClientResponse, deadline: float) -> bytes:
         wd = _Watchdog(resp, self._t.idle_s, deadline)
+        data = bytearray()
         try:
-            return await resp.read()
-        except (aiohttp.ClientError, OSError) as e:
-            raise UpstreamError(wd.fired or "disconnect") from e
+            while len(data) <= ERROR_BODY_CAP:
+                chunk = await resp.content.read(ERROR_BODY_CAP + 1 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+        except (UpstreamError, aiohttp.ClientError, OSError):
+            data = bytearray()
         finally:
             wd.cancel()
+        f = self._fail(b, kind, resp.status, f"backend answered {resp.status}")
+        if len(data) <= ERROR_BODY_CAP:
+            f.upstream = (resp.status, _response_headers(resp.headers), bytes(data))
+        return f
 
     async def _whole(
         self,
@@ -398,34 +530,116 @@ class Forwarder:
         t_arrive: float,
         deadline: float,
     ) -> web.StreamResponse | Failure:
+        """A response that is not an event stream, relayed chunk by chunk as it arrives (never
+        held whole). The client's headers wait for the first chunk, so a backend that fails
+        before it is retried elsewhere; one that fails after it leaves the client a cut body
+        (the connection is closed: its length or chunked framing tells it so). A body that came
+        whole in its first read (the usual JSON answer) is answered as one response."""
+        bm = self.metrics.backend(b.name)
+        stall = self._t.write_stall_s
+        wd = _Watchdog(resp, self._t.idle_s, deadline, request.transport, stall)
+        content = resp.content
         try:
-            data = await self._read_all(resp, deadline)
-        except UpstreamError as e:
-            status = 504 if e.kind.endswith("timeout") else 502
-            return self._fail(b, e.kind, status, "backend failed while sending its response")
+            chunk = await content.readany()
         except asyncio.CancelledError:
-            self.metrics.backend(b.name).disconnects.inc()
+            wd.cancel()
+            bm.disconnects.inc()
             raise
-        now = time.monotonic()
+        except (UpstreamError, aiohttp.ClientError, OSError):
+            wd.cancel()
+            kind = wd.fired or "disconnect"
+            status = 504 if kind.endswith("timeout") else 502
+            return self._fail(b, kind, status, "backend failed while sending its response")
         headers = _response_headers(resp.headers)
         headers[self._backend_header] = b.name
         headers[self._rid_header] = request_id
-        out = web.Response(status=resp.status, body=data, headers=headers)
-        bm = self.metrics.backend(b.name)
-        ok = resp.status < 500
-        tokens = _usage_tokens(data) if api is not None and resp.status == 200 else None
+        read_usage = api is not None and resp.status == 200
+        if content.at_eof():
+            wd.cancel()
+            self._completed(b, bm, resp.status, t_arrive, chunk if read_usage else None)
+            bm.duration.observe(time.monotonic() - t_arrive)
+            self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
+            return web.Response(status=resp.status, body=chunk, headers=headers)
+        out = web.StreamResponse(status=resp.status, headers=headers)
+        if resp.content_length is not None:
+            out.content_length = resp.content_length
+        self._relays.add(wd)
+        # the body's chunks, kept for reading usage while it stays small enough to parse
+        parts: list[bytes] | None = [] if read_usage else None
+        kept = 0
+        cap = self.settings.upstream.max_event_bytes
+        failure: str | None = None
+        monotonic = time.monotonic
+        try:
+            await out.prepare(request)
+            while chunk:
+                if parts is not None:
+                    kept += len(chunk)
+                    if kept <= cap:
+                        parts.append(chunk)
+                    else:
+                        parts = None
+                wd.last = -monotonic()
+                await out.write(chunk)
+                wd.last = monotonic()
+                try:
+                    chunk = await content.readany()
+                except (UpstreamError, aiohttp.ClientError, OSError):
+                    failure = wd.fired or "disconnect"
+                    break
+        except asyncio.CancelledError:
+            bm.disconnects.inc()
+            bm.duration.observe(monotonic() - t_arrive)
+            self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
+            raise
+        except ConnectionError:  # the client went away (or stopped reading): not the backend's
+            bm.disconnects.inc()
+            bm.duration.observe(monotonic() - t_arrive)
+            self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
+            return out
+        finally:
+            wd.cancel()
+            self._relays.discard(wd)
+        now = monotonic()
+        if failure is not None:
+            if failure != SHUTDOWN:
+                self.metrics.upstream_errors.labels(b.name, failure).inc()
+                self.health.record_failure(b, failure)
+                b.stats.observe_completion(False, failure, now - t_arrive)
+            if request.transport is not None:
+                request.transport.abort()  # the body is cut: the client must not take it whole
+        else:
+            self._completed(
+                b, bm, resp.status, t_arrive, b"".join(parts) if parts is not None else None, now
+            )
+            await _last_write(request, stall, out.write_eof())
+        bm.duration.observe(monotonic() - t_arrive)
+        self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
+        return out
+
+    def _completed(
+        self,
+        b: Backend,
+        bm: Any,
+        status: int,
+        t_arrive: float,
+        body: bytes | None,
+        now: float | None = None,
+    ) -> None:
+        """A whole non-streamed answer arrived: its usage (from ``body``, when given), health
+        and stats."""
+        now = time.monotonic() if now is None else now
+        tokens = _usage_tokens(body) if body is not None else None
         if tokens:
             bm.tokens.inc(tokens)
             b.stats.observe_tokens(tokens, now)
+        ok = status < 500
         if ok:
             self.health.record_success(b)
-        fine = ok and resp.status != 429  # ADAPT: a 429 counts as slow for routing
+        fine = ok and status != 429  # ADAPT: a 429 counts as slow for routing
         b.stats.observe_completion(
-            fine, None if fine else f"http_{resp.status}", now - t_arrive, output_tokens=tokens
+            fine, None if fine else f"http_{status}", now - t_arrive, output_tokens=tokens
         )
-        bm.duration.observe(now - t_arrive)
-        self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
-        return out
 
     async def _stream(
         self,
@@ -442,7 +656,8 @@ class Forwarder:
         bm = self.metrics.backend(b.name)
         stats = b.stats
         t_send = pending.t_send
-        wd = _Watchdog(resp, self._t.idle_s, deadline)
+        stall = self._t.write_stall_s
+        wd = _Watchdog(resp, self._t.idle_s, deadline, request.transport, stall)
         content = resp.content
         monotonic = time.monotonic
         # Hold the client's headers until the first chunk: a backend that fails before it
@@ -461,7 +676,8 @@ class Forwarder:
         headers[self._backend_header] = b.name
         headers[self._rid_header] = request_id
         out = web.StreamResponse(status=resp.status, headers=headers)
-        framer = SSEFramer() if api is not None else None
+        framer = SSEFramer(self.settings.upstream.max_event_bytes) if api is not None else None
+        self._relays.add(wd)
         counter = TokenCounter(api) if api is not None else None
         observe = counter.observe if counter is not None else None
         first: float | None = None
@@ -472,14 +688,20 @@ class Forwarder:
             write = out.write
             while chunk:
                 now = monotonic()
-                wd.last = WRITING
+                wd.last = -now
                 await write(chunk)
                 if framer is not None:
                     # Events that arrived in one read arrived together: they count as one
                     # event carrying all their tokens (one ITL sample of gap / tokens).
                     n = 0
-                    for payload in framer.feed(chunk):
-                        n += observe(payload)  # type: ignore[misc]
+                    try:
+                        for payload in framer.feed(chunk):
+                            n += observe(payload)  # type: ignore[misc]
+                    except Exception:  # a bug of ours: keep relaying, stop peeking
+                        log.exception("request %s: SSE accounting failed; relaying on", request_id)
+                        counter.malformed += 1  # type: ignore[union-attr]
+                        framer = None
+                        n = 0
                     if n:
                         if first is None:
                             first = now
@@ -508,22 +730,26 @@ class Forwarder:
             return out
         finally:
             wd.cancel()
-        if failure is not None:
+            self._relays.discard(wd)
+        if failure == SHUTDOWN:
+            message, code, status = "the proxy is shutting down", "shutting_down", 503
+        elif failure is not None:
             self.metrics.upstream_errors.labels(b.name, failure).inc()
             self.health.record_failure(b, failure)
             message = {
                 "idle_timeout": "backend stalled mid-stream (idle timeout)",
                 "total_timeout": "request exceeded the total timeout",
             }.get(failure, "backend connection lost mid-stream")
-            tail = b"\n\n" if framer is not None and framer.pending else b""
             code = "upstream_timeout" if failure.endswith("timeout") else "upstream_error"
             status = 504 if failure.endswith("timeout") else 502
-            with contextlib.suppress(ConnectionError):
-                await out.write(tail + sse_error(f"{message} ({b.name})", status=status, code=code))
+        if failure is not None:
+            tail = b"\n\n" if framer is not None and framer.pending else b""
+            await _last_write(
+                request, stall, out.write(tail + sse_error(message, status=status, code=code))
+            )
         else:
             self.health.record_success(b)
-        with contextlib.suppress(ConnectionError):
-            await out.write_eof()
+        await _last_write(request, stall, out.write_eof())
         self._account(b, bm, route, out.status, t_arrive, counter, failure)
         return out
 
@@ -543,7 +769,9 @@ class Forwarder:
             tokens = counter.completion_tokens or counter.chunk_tokens
             if tokens:
                 bm.tokens.inc(tokens)
-        if failure != "client_disconnect":  # not the backend's doing: no observation
+            if counter.malformed:
+                bm.malformed.inc(counter.malformed)
+        if failure not in ("client_disconnect", SHUTDOWN):  # not the backend's doing
             ok = failure is None and (counter is None or counter.error is None)
             kind = failure or (None if ok else "stream_error")
             b.stats.observe_completion(ok, kind, now - t_arrive, output_tokens=tokens)
@@ -591,6 +819,19 @@ class _Pending:
             stats.observe_answered(now, self._key)
 
 
+async def _last_write(request: web.BaseRequest, stall: float, write: Awaitable[None]) -> None:
+    """A write after the relay loop, bounded like its writes: a client that takes nothing for
+    ``stall`` seconds is cut off."""
+    try:
+        async with asyncio.timeout(stall):
+            await write
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+    except ConnectionError:
+        pass
+
+
 def _maybe_stale(e: BaseException) -> bool:
     if isinstance(e, aiohttp.ClientConnectorError):
         return False  # could not connect at all: not a stale pooled connection
@@ -610,6 +851,28 @@ def _response_headers(src: CIMultiDictProxy[str]) -> CIMultiDict:
     for k, v in src.items():
         if k.lower() not in drop:
             out.add(k, v)
+    return out
+
+
+#: largest error body of a retry status (5xx) kept to relay; a larger one is replaced
+ERROR_BODY_CAP = 64 * 1024
+#: bytes of each backend's answer a fan-out reads (the rest is cut, and it says so)
+FANOUT_BODY_CAP = 64 * 1024
+
+
+def _fanout_body(data: bytes, ctype: str) -> dict[str, Any]:
+    truncated = len(data) > FANOUT_BODY_CAP
+    data = data[:FANOUT_BODY_CAP]
+    out: dict[str, Any] = {}
+    if ctype.startswith("application/json") and not truncated:
+        try:
+            out["body"] = orjson.loads(data)
+            return out
+        except orjson.JSONDecodeError:
+            pass
+    out["body"] = data.decode("utf-8", errors="replace")
+    if truncated:
+        out["truncated"] = True
     return out
 
 

@@ -36,7 +36,7 @@ LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 class BackendMetrics:
     """Cached label children for one backend."""
 
-    __slots__ = ("disconnects", "duration", "itl", "tokens", "ttft")
+    __slots__ = ("disconnects", "duration", "itl", "malformed", "tokens", "ttft")
 
     def __init__(self, m: Metrics, name: str) -> None:
         self.duration = m.request_duration.labels(name)
@@ -44,6 +44,7 @@ class BackendMetrics:
         self.itl = m.itl.labels(name)
         self.tokens = m.output_tokens.labels(name)
         self.disconnects = m.client_disconnects.labels(name)
+        self.malformed = m.malformed_events.labels(name)
 
 
 class _PoolCollector(Collector):
@@ -110,6 +111,12 @@ class Metrics:
         )
         self.output_tokens = Counter(
             "pipefill_output_tokens", "Generated tokens relayed to clients", ["backend"], registry=r
+        )
+        self.malformed_events = Counter(
+            "pipefill_malformed_events",
+            "Streamed SSE events of a shape the proxy did not expect: relayed, carrying no token",
+            ["backend"],
+            registry=r,
         )
         self.upstream_errors = Counter(
             "pipefill_upstream_errors",

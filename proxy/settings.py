@@ -36,14 +36,50 @@ class ServerSettings(Section):
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="larger bodies get 413")
     max_header_bytes: int = Field(16 * 1024, gt=0, description="per header line; larger gets 431")
     max_headers: int = Field(128, gt=0, description="header lines per request; more gets 431")
+    max_url_bytes: int = Field(8192, gt=0, description="longest request target; longer gets 414")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a request head must arrive this soon after its first byte (408)"
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="a request body must arrive whole within this (408)"
+    )
+    keepalive_s: float = Field(
+        75.0, gt=0, description="an idle client connection is closed after this"
+    )
+    max_connections: int = Field(
+        4096, ge=0, description="client connections at once; more get 503 (0 = unlimited)"
+    )
     api_keys: list[str] = Field(
         default_factory=list, description="client Bearer keys; empty = open"
     )
-    admin_key: str | None = Field(None, description="Bearer key for /admin/*; unset = read-only")
-    metrics_public: bool = Field(True, description="serve /metrics without a client key")
-    shutdown_grace_s: float = Field(30.0, ge=0, description="SIGTERM: time streams may finish")
+    admin_key: str | None = Field(
+        None,
+        description="Bearer key for /admin/* and SGLang's management routes; unset = those are "
+        "off (GET /admin/* stays open, without backend URLs, only while api_keys is empty)",
+    )
+    metrics_public: bool | None = Field(
+        None,
+        description="serve /metrics without a key; unset = public unless api_keys is set",
+    )
+    drain_s: float = Field(
+        5.0,
+        ge=0,
+        description="SIGTERM: /health answers 503 this long while the proxy still serves, "
+        "before it stops accepting",
+    )
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="SIGTERM: then the time requests in flight may finish; streams still running "
+        "end with an SSE error event",
+    )
     log_prompts: bool = Field(False, description="log request bodies (prompts) at debug level")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    trust_forwarded_for: bool = Field(
+        False,
+        description="keep a client's X-Forwarded-For (append its address) and Forwarded: only "
+        "behind a proxy that sets them; else they are replaced by the client's address",
+    )
     backend_header: str = Field(
         "X-Pipefill-Backend", description="response header naming the backend that served"
     )
@@ -59,6 +95,12 @@ class TimeoutSettings(Section):
     )
     idle_s: float = Field(120.0, gt=0, description="longest gap between two streamed chunks")
     total_s: float = Field(1800.0, gt=0, description="whole upstream exchange")
+    write_stall_s: float = Field(
+        60.0,
+        gt=0,
+        description="a client that takes none of a stream's bytes for this long is cut off "
+        "(its backend slot freed)",
+    )
 
 
 class RetrySettings(Section):
@@ -77,6 +119,12 @@ class UpstreamSettings(Section):
     )
     max_connections: int = Field(0, ge=0, description="0 = unlimited")
     max_connections_per_backend: int = Field(0, ge=0, description="0 = unlimited")
+    max_event_bytes: int = Field(
+        4 * 1024 * 1024,
+        gt=0,
+        description="a streamed SSE event larger than this is relayed but not read (no tokens "
+        "counted; pipefill_malformed_events_total)",
+    )
 
 
 class HealthSettings(Section):
@@ -117,7 +165,22 @@ class BackendSettings(Section):
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {v!r}")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("no user:password@ in the URL: give the backend's key as api_key")
+        if parts.query or parts.fragment or "?" in v or "#" in v:
+            raise ValueError(f"no query or fragment in a backend URL: {v!r}")
+        try:
+            parts.port  # noqa: B018  (raises on a port that is not a number in range)
+        except ValueError:
+            raise ValueError(f"invalid port in {v!r}") from None
         return v.rstrip("/")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and (not v.isprintable() or any(c in v for c in "/ ?#%")):
+            raise ValueError(f"a name without '/', spaces, '?', '#' or '%': {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _default_name(self) -> BackendSettings:

@@ -23,41 +23,97 @@ Api = Literal["chat", "completions", "generate"]
 DONE = b"[DONE]"
 
 
+#: what :meth:`SSEFramer.feed` yields in place of an event larger than its bound (no JSON reader
+#: accepts it: TokenCounter counts it as malformed)
+OVERSIZED = b""
+
+
 class SSEFramer:
     """Splits a byte stream into the ``data`` payloads of complete events.
 
     Chunk boundaries may fall anywhere, including inside ``\\r\\n``. Multi-line ``data:``
-    fields are joined with ``\\n`` as the SSE spec says; comment lines are skipped.
+    fields are joined with ``\\n`` as the SSE spec says; comment lines are skipped. A chunk is
+    searched for event ends only from where the unterminated rest of the last one ended, and
+    only a new chunk is searched for ``\\r``. With ``max_event``, an event longer than that
+    many bytes is not kept: ``feed`` yields :data:`OVERSIZED` once in its place and skips to
+    its end, so the buffer never holds more than ``max_event`` bytes plus one chunk.
     """
 
-    __slots__ = ("_buf",)
+    __slots__ = ("_buf", "_cr", "_max", "_skipping", "oversized")
 
-    def __init__(self) -> None:
-        self._buf = b""
+    def __init__(self, max_event: int | None = None) -> None:
+        # the unterminated rest (a bytearray, grown in place), \r\n and \r already \n
+        self._buf: bytes | bytearray = b""
+        self._cr = False  # the last chunk ended in \r: its \n may open the next one
+        self._max = max_event
+        self._skipping = False  # inside an oversized event, until its end
+        self.oversized = 0
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        buf = self._buf + chunk if self._buf else chunk
-        if b"\r" in buf:
-            # Keep a trailing \r: its \n may be in the next chunk.
-            tail = b"\r" if buf.endswith(b"\r") else b""
-            buf = buf[: len(buf) - len(tail)].replace(b"\r\n", b"\n").replace(b"\r", b"\n") + tail
+        if not self._buf and not self._cr and not self._skipping and b"\r" not in chunk:
+            # the usual chunk: exactly one whole event
+            end = chunk.find(b"\n\n")
+            if end >= 0 and end + 2 == len(chunk) and (self._max is None or end <= self._max):
+                payload = _data_of(chunk[:end])
+                return [] if payload is None else [payload]
+        if self._cr:
+            chunk = b"\r" + chunk
+            self._cr = False
+        if b"\r" in chunk:
+            if chunk.endswith(b"\r"):
+                self._cr = True
+                chunk = chunk[:-1]
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        rest = self._buf
+        if rest:
+            # the rest held no "\n\n": only its last byte can start one
+            scan = len(rest) - 1
+            rest += chunk  # type: ignore[operator]  # a bytearray: in place
+            buf: bytes | bytearray = rest
+        else:
+            scan = 0
+            buf = chunk
         events: list[bytes] = []
         start = 0
+        if self._skipping:
+            end = buf.find(b"\n\n", scan)
+            if end < 0:
+                self._buf = bytearray(buf[-1:])
+                return events
+            self._skipping = False
+            start = scan = end + 2
+        limit = self._max
         while True:
-            end = buf.find(b"\n\n", start)
+            end = buf.find(b"\n\n", scan)
             if end < 0:
                 break
-            payload = _data_of(buf[start:end])
-            if payload is not None:
-                events.append(payload)
-            start = end + 2
-        self._buf = buf[start:]
+            if limit is not None and end - start > limit:
+                self.oversized += 1
+                events.append(OVERSIZED)
+            else:
+                payload = _data_of(bytes(buf[start:end]) if buf is rest else buf[start:end])
+                if payload is not None:
+                    events.append(payload)
+            start = scan = end + 2
+        left = len(buf) - start
+        if limit is not None and left > limit + 1:  # (+1: a first "\n" of its end)
+            self.oversized += 1
+            events.append(OVERSIZED)
+            self._skipping = True
+            self._buf = bytearray(buf[-1:])
+        elif not left:
+            self._buf = b""
+        elif buf is rest:
+            del rest[:start]  # type: ignore[union-attr]
+        else:
+            self._buf = bytearray(buf[start:])
         return events
 
     @property
     def pending(self) -> bytes:
-        """Bytes of an event not yet terminated (a stream that ends here was cut short)."""
-        return self._buf
+        """Bytes of an event not yet terminated (a stream that ends here was cut short); for an
+        oversized event being skipped, only its last byte."""
+        return bytes(self._buf) + b"\r" if self._cr else bytes(self._buf)
 
 
 def _data_of(block: bytes) -> bytes | None:
@@ -79,6 +135,10 @@ class TokenCounter:
     and ``prompt_tokens`` are the server's own counts when it sent them (usage, or the last
     ``meta_info``), ``chunk_tokens`` is what the events added up to, ``error`` holds an in-stream
     error object and ``done`` tells whether ``[DONE]`` arrived.
+
+    An event of a shape SGLang does not send (``{"choices": 5}``, a ``delta`` that is not an
+    object, a ``/generate`` ``index`` that is not an integer, ...) counts in ``malformed`` and
+    carries no token; it never raises.
     """
 
     api: Api
@@ -94,6 +154,9 @@ class TokenCounter:
 
     def observe(self, payload: bytes) -> int:
         self.events += 1
+        if not payload:  # OVERSIZED, or an empty data field: nothing SGLang sends
+            self.malformed += 1
+            return 0
         if payload == DONE:
             self.done = True
             return 0
@@ -116,6 +179,9 @@ class TokenCounter:
     def _observe_generate(self, obj: dict) -> int:
         meta = obj.get("meta_info") or {}
         index = obj.get("index", 0)
+        if not isinstance(meta, dict) or not isinstance(index, int):
+            self.malformed += 1
+            return 0
         total = meta.get("completion_tokens")
         if isinstance(meta.get("prompt_tokens"), int):
             self.prompt_tokens = meta["prompt_tokens"]
@@ -132,14 +198,21 @@ class TokenCounter:
 
     def _observe_openai(self, obj: dict) -> int:
         choices = obj.get("choices") or []
+        if not isinstance(choices, list):
+            self.malformed += 1
+            return 0
         carries = False
         for choice in choices:
             if not isinstance(choice, dict):
-                continue
+                self.malformed += 1
+                return 0
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
             if self.api == "chat":
                 delta = choice.get("delta") or {}
+                if not isinstance(delta, dict):
+                    self.malformed += 1
+                    return 0
                 if (
                     delta.get("content")
                     or delta.get("reasoning_content")

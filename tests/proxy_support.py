@@ -54,6 +54,9 @@ class FakeUpstream:
         app.router.add_post("/v1/completions", self.chat)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_get("/get_server_info", self.server_info)
+        app.router.add_route("*", "/flush_cache", self.flush_cache)
+        app.router.add_route("*", "/{tail:.*}", self.other)  # any other path: recorded, 200
         return app
 
     async def start(self, port: int = 0) -> FakeUpstream:
@@ -88,6 +91,23 @@ class FakeUpstream:
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": MODEL, "served_by": self.name})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        self.requests.append({"path": request.path, "headers": dict(request.headers)})
+        return web.json_response({"api_key": "backend-secret", "served_by": self.name})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        self.requests.append({"path": request.path, "headers": dict(request.headers)})
+        if self.running:  # as SGLang: refused while requests run
+            return web.Response(status=400, text="Cache not flushed: requests are running.\n")
+        return web.Response(text="Cache flushed.\n")
+
+    async def other(self, request: web.Request) -> web.Response:
+        await request.read()
+        if request.path == "/metrics":  # the proxy's scraper: this fake has no metrics
+            return web.Response(status=404)
+        self.requests.append({"path": request.path, "headers": dict(request.headers)})
+        return web.json_response({"path": request.path, "served_by": self.name})
 
     async def embeddings(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -117,7 +117,7 @@ async def test_generate_stream_and_passthrough_route():
         r, body = await _get(px.url + "/get_model_info")
         assert r.status == 200 and orjson.loads(body)["served_by"] == "fake0"
         r, body = await _get(px.url + "/no_such_route")
-        assert r.status == 404  # the backend's answer, passed through
+        assert r.status == 404  # not on the allow-list: the proxy answers, nothing forwarded
 
 
 async def test_upstream_error_body_and_status_preserved():

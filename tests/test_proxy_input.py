@@ -121,6 +121,8 @@ async def test_client_api_keys():
         r, _ = await _req("GET", px.url + "/health")
         assert r.status == 200
         r, _ = await _req("GET", px.url + "/metrics")
+        assert r.status == 401  # private by default once client keys are set
+        r, _ = await _req("GET", px.url + "/metrics", headers={"Authorization": "Bearer k1"})
         assert r.status == 200
         r, out = await _req("GET", px.url + "/get_model_info")
         assert r.status == 401
@@ -224,6 +226,12 @@ _body = st.one_of(
         st.sampled_from(["model", "messages", "stream", "max_tokens", "x"]), _json_like, max_size=5
     ).map(orjson.dumps),
 )
+# Resolve the strategies now, in the main thread at collection: that imports (and, without
+# bytecode caching, compiles) hypothesis's regex module before the served proxy's thread runs.
+# CPython 3.11's AST validator keeps one recursion counter for all threads, so two threads
+# compiling at once can fail with "AST constructor recursion depth mismatch".
+for _strategy in (_token, _value, _json_like, _body):
+    _strategy.validate()
 
 
 @settings(

@@ -1,10 +1,11 @@
 """SSE framing and token accounting shared by the proxy and the load generator."""
 
 import orjson
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.sse import SSEFramer, TokenCounter
+from proxy.sse import OVERSIZED, SSEFramer, TokenCounter
 
 
 def _stream(payloads: list[bytes], sep: bytes = b"\n") -> bytes:
@@ -91,3 +92,43 @@ def test_in_stream_error_is_recorded():
     assert counter.observe(b'{"error": {"message": "boom", "code": 503}}') == 0
     assert counter.error == {"message": "boom", "code": 503}
     assert counter.observe(b"not json") == 0 and counter.malformed == 1
+
+
+@pytest.mark.parametrize(
+    ("api", "payload"),
+    [
+        ("chat", b'{"choices": 5}'),
+        ("chat", b'{"choices": [{"delta": "x"}]}'),
+        ("chat", b'{"choices": [7]}'),
+        ("completions", b'{"choices": {"text": "a"}}'),
+        ("generate", b'{"index": [1], "meta_info": {"completion_tokens": 1}}'),
+        ("generate", b'{"index": "0", "meta_info": {"completion_tokens": 1}}'),
+        ("generate", b'{"meta_info": 5}'),
+    ],
+)
+def test_events_of_unexpected_shape_are_malformed_never_an_exception(api, payload):
+    counter = TokenCounter(api)
+    assert counter.observe(payload) == 0
+    assert counter.malformed == 1 and counter.chunk_tokens == 0
+
+
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=300), max_size=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=12),
+    crlf=st.booleans(),
+)
+def test_framer_skips_events_over_its_bound_and_keeps_framing(sizes, cuts, crlf):
+    limit = 100
+    payloads = [b"x" * n for n in sizes]
+    data = _stream(payloads, b"\r\n" if crlf else b"\n")
+    framer = SSEFramer(max_event=limit)
+    got: list[bytes] = []
+    start = 0
+    for point in [*sorted({min(c, len(data)) for c in cuts}), len(data)]:
+        got.extend(framer.feed(data[start:point]))
+        assert len(framer.pending) <= limit + 2  # never more than the bound is held
+        start = point
+    expected = [p if len(b"data: " + p) <= limit else OVERSIZED for p in payloads]
+    assert got == expected
+    assert framer.oversized == expected.count(OVERSIZED)
+    assert framer.pending == b""
