@@ -99,6 +99,7 @@ class Code(enum.StrEnum):
     ERRORS = "errors"  # most requests of the window failed: back off
     STALE = "stale"  # scraped metrics stale for a while: back off
     RESTART = "restart"  # the backend restarted: resume at its capacity, or start over
+    SERVER = "server"  # no evidence yet: start at what the server says it runs at most
     PREFILL = "prefill"  # after a cut, some still wait: in prefill, not queued; cut less
 
 
@@ -218,13 +219,13 @@ class AdaptiveLimit:
     queue if that is more, on each judged window where demand filled it (``PRESSURE``) and the
     backend was not full: with the capacity unknown, sending what waits is what sending straight
     to the backend would do, so it cannot deliver less; a queue it makes is cut back with the
-    requests recalled. Growth stops at the server's own ``max_running_requests``
-    (``/server_info``). ``HOLD`` keeps the capacity; after ``probe_every_s``
-    of demand above it, a ``probe_step`` probe (``PROBE``; none at or above the server's
-    ``max_running_requests``): full again -> back to what it runs; not full for
-    ``REOPEN_WINDOWS`` -> the capacity grew, ``START`` again. Errors and stale metrics back
-    off by ``backoff``; a restart resumes at the capacity found. Never below ``floor`` (a
-    pipeline's stage count), never above ``max_limit``.
+    requests recalled. The first window that carries the server's own ``max_running_requests``
+    (``/server_info``) starts the limit there (``SERVER``), and growth stops there. ``HOLD``
+    keeps the capacity; after ``probe_every_s`` of demand above it, a ``probe_step`` probe
+    (``PROBE``; none at or above the server's ``max_running_requests``): full again -> back to
+    what it runs; not full for ``REOPEN_WINDOWS`` -> the capacity grew, ``START`` again. Errors
+    and stale metrics back off by ``backoff``; a restart resumes at the capacity found. Never
+    below ``floor`` (a pipeline's stage count), never above ``max_limit``.
     """
 
     name = "adaptive"
@@ -267,6 +268,7 @@ class AdaptiveLimit:
         self._demand_since: float | None = None  # demand above a held limit since
         self._stale = 0
         self._slow = 0  # judged windows in a row with ITL above target_itl_s
+        self._told = False  # the server's max_running_requests was applied (see update)
         self.decision = Decision(Code.START, self._limit, self._limit, 0.0)
 
     def update(self, window: Window) -> Decision | None:
@@ -283,6 +285,13 @@ class AdaptiveLimit:
         self._stale = 0
         if w.errors >= 2 and w.errors * 2 > w.completions:
             return self._back_off(w, Code.ERRORS)
+        if self._phase is Phase.START and not self._told and w.max_running is not None:
+            # The first word from the server (its /server_info): with no evidence yet, start at
+            # what it says it runs. Never more than sending straight would put on it, and a
+            # cold start needs no windows to get there.
+            self._told = True
+            if self._limit < self.ready(w.max_running):
+                return self._set(self._clamp(self.ready(w.max_running)), w, Code.SERVER)
         if w.in_flight > w.limit + self._tolerance():
             # Still draining down to a lower limit (requests that had started cannot be
             # recalled): what the backend shows is what was sent before, not this limit.

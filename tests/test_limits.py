@@ -273,10 +273,25 @@ def test_a_growth_step_stops_where_the_server_says_it_runs_no_more():
     """``/server_info``'s max_running_requests: growth stops there (no queue to cut back,
     nothing to recall), however much waits in the proxy."""
     lim = adaptive(floor=8)
+    lim._told = True  # (as if the server's word had come before this test's windows)
     d = lim.update(dataclasses.replace(win(8, 0.0, backlog=200), max_running=64))
     assert d is not None and d.code is Code.GROW and d.after == lim.ready(64) == 67
     assert lim.update(dataclasses.replace(win(67, 1.0, backlog=150), max_running=64)) is None
     assert lim.limit == 67
+
+
+def test_a_cold_start_begins_where_the_server_says_it_runs():
+    """The first window carrying /server_info's max_running_requests sets the limit there, with
+    or without demand yet (a limit binds only when demand exceeds it): no windows of growth."""
+    lim = adaptive(floor=8)
+    d = lim.update(dataclasses.replace(win(8, 0.0, pressure=0.0, in_flight=0.0), max_running=64))
+    assert d is not None and d.code is Code.SERVER and d.after == lim.ready(64) == 67
+    assert lim.phase is Phase.START  # nothing measured yet: the evidence still decides
+    # the word is taken once: a full backend below it comes down and stays down
+    model = BatchModel(max_running=40)
+    for i in range(5):
+        lim.update(dataclasses.replace(model.window(lim.limit, 1 + i), max_running=64))
+    assert lim.capacity == 40 and lim.limit == lim.ready(40)
 
 
 def test_no_probe_at_or_above_what_the_server_says_it_runs():
