@@ -4,7 +4,9 @@ limit, apply what it decides.
 Admission calls :meth:`LimitControl.tick` after every release and from its background task;
 the virtual-time harness (tests/limit_sim.py) calls it the same way. One backend's step:
 
-1. Is its open window complete? A window lasts ``window_s``. The window after a change of the
+1. Is its open window complete? A window lasts ``window_s``; it also ends at once when the
+   server's own ``max_running_requests`` first arrives (or changes), so that a cold start
+   need not wait a window for it. The window after a change of the
    limit *settles*: it is not judged, and it ends as soon as the requests the change admitted
    have had their prefill (at most ``SETTLED_AWAITING`` of the limit, or two requests, still
    without a first token) or after ``max_window_s`` — a raise is not judged inside its own
@@ -34,6 +36,8 @@ class LimitControl:
 
     def __init__(self) -> None:
         self._settling: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        #: the server's max_running_requests each backend's limit has been given
+        self._told: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
 
     def tick(self, backends: list[Any], now: float) -> list[tuple[Any, Decision]]:
         """Feed every backend whose window is complete; returns the decisions made."""
@@ -47,8 +51,11 @@ class LimitControl:
     def _step(self, b: Any, now: float) -> Decision | None:
         st, lim = b.stats, b.limit
         settling = self._settling.get(st, False)
-        if not self._complete(b, now, settling):
+        word = st.scrape.max_running_requests
+        news = word is not None and self._told.get(st) != word
+        if not news and not self._complete(b, now, settling):
             return None
+        self._told[st] = word
         w = st.take_window(now)
         if settling and not w.restarted:
             self._settling[st] = False

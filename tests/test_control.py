@@ -1,0 +1,79 @@
+"""The limits' control loop (proxy/control.py): when windows end, what is judged, recalls."""
+
+from __future__ import annotations
+
+from adapt_fakes import FakeBackend, FakeClock
+
+from proxy.control import LimitControl
+from proxy.limits import AdaptiveLimit, Code, LimitSettings
+
+
+def backend(clock: FakeClock, **settings) -> FakeBackend:
+    lim = AdaptiveLimit(LimitSettings(**settings), floor=8)
+    return FakeBackend("a", clock=clock, limit_obj=lim)
+
+
+def test_a_window_lasts_window_s():
+    clock = FakeClock()
+    b = backend(clock)
+    control = LimitControl()
+    clock.advance(0.9)
+    assert control.tick([b], clock.t) == [] and b.stats.window_started == 1000.0
+    clock.advance(0.1)
+    control.tick([b], clock.t)
+    assert b.stats.window_started == clock.t  # closed and fed
+
+
+def test_the_servers_word_ends_the_window_at_once_and_starts_the_limit_there():
+    clock = FakeClock()
+    b = backend(clock)
+    control = LimitControl()
+    clock.advance(0.1)
+    b.stats.scrape.max_running_requests = 64
+    decisions = control.tick([b], clock.t)
+    assert [d.code for _, d in decisions] == [Code.SERVER]
+    assert b.limit.limit == b.limit.ready(64)
+    clock.advance(0.1)
+    assert control.tick([b], clock.t) == []  # taken once
+
+
+def test_the_window_after_a_change_settles_until_its_requests_had_their_prefill():
+    """Not judged, and it ends once few of the requests the change admitted still wait for a
+    first token (or after max_window_s), not window_s later."""
+    clock = FakeClock()
+    b = backend(clock, initial=20)
+    control = LimitControl()
+    b.in_flight = 20
+    b.stats.observe_in_flight(20, 20)
+    b.stats.observe_waiters(30)  # demand above the limit
+    clock.advance(1.0)
+    assert [d.code for _, d in control.tick([b], clock.t)] == [Code.GROW]
+    keys = [b.stats.observe_sent() for _ in range(10)]  # the raise's requests, in prefill
+    clock.advance(1.5)
+    control.tick([b], clock.t)
+    assert b.stats.window_started == 1001.0  # still settling: 10 wait for a first token
+    for k in keys[:9]:
+        b.stats.observe_answered(key=k)
+    clock.advance(0.1)
+    assert control.tick([b], clock.t) == []  # the settling window ends, unjudged
+    assert b.stats.window_started == clock.t
+
+
+def test_a_limit_that_falls_below_what_is_in_flight_recalls_the_unanswered():
+    clock = FakeClock()
+    b = backend(clock, initial=10)
+    control = LimitControl()
+    recalled = []
+    b.in_flight = 10
+    b.stats.observe_in_flight(10, 10)
+    for i in range(10):
+        b.stats.observe_sent(recall=lambda i=i: recalled.append(i) or True)
+    b.limit._phase = b.limit.phase.HOLD
+    b.stats.observe_scrape(ok=True, queue_reqs=6.0, running_reqs=4.0)
+    clock.advance(1.0)
+    control.tick([b], clock.t)  # the window the requests were sent in
+    for _ in range(2):  # full two windows in a row: 6 of ours waited all along
+        clock.advance(1.0)
+        control.tick([b], clock.t)
+    assert b.limit.decision.code is Code.FULL and b.limit.limit == 8  # the floor
+    assert recalled == [9, 8]  # newest first, down to the new limit
