@@ -43,7 +43,6 @@ import shlex
 import statistics
 import sys
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from harness import (
     Harness,
     Poller,
     backends_by_name,
+    get_text,
     level_row,
     load_cpu,
     positive_int,
@@ -197,20 +197,12 @@ def entries(urls: list[str], profiles: list[str], fixed: dict[str, int] | None =
     return out
 
 
-def _get_text(url: str) -> str:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.read().decode()
-    except OSError:
-        return ""
-
-
 def sim_served(url: str) -> int:
     """Requests the simulator finished (its own counter): who got the traffic."""
     return int(
         sum(
             float(line.rsplit(" ", 1)[1])
-            for line in _get_text(f"{url}/metrics").splitlines()
+            for line in get_text(f"{url}/metrics").splitlines()
             if line.startswith("sglang:num_requests_total")
         )
     )

@@ -65,6 +65,15 @@ def get_json(url: str, timeout: float = 2.0) -> Any:
         return None
 
 
+def get_text(url: str, timeout: float = 2.0) -> str:
+    """GET a text page (e.g. /metrics); "" on any connection error."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read().decode()
+    except OSError:
+        return ""
+
+
 def post_json(url: str, body: Any, timeout: float = 2.0) -> Any:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import urllib.request
 from typing import Any
 
 from harness import (
@@ -33,6 +32,7 @@ from harness import (
     backend_entries,
     backends_by_name,
     get_json,
+    get_text,
     level_row,
     load_cpu,
     positive_int,
@@ -44,19 +44,11 @@ PROFILES = ["pp8", "tp8", "ep8"]
 FRONTS = ["latency", "round_robin", "least_in_flight", "router:power_of_two"]
 
 
-def _get_text(url: str) -> str:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.read().decode()
-    except OSError:
-        return ""
-
-
 def sim_served(urls: list[str]) -> dict[str, float]:
     """Requests each simulator served (its own counter): who got the traffic."""
     out = {}
     for prof, url in zip(PROFILES, urls, strict=True):
-        text = _get_text(f"{url}/metrics")
+        text = get_text(f"{url}/metrics")
         out[prof] = sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
