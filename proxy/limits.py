@@ -290,8 +290,8 @@ class AdaptiveLimit:
             # what it says it runs. Never more than sending straight would put on it, and a
             # cold start needs no windows to get there.
             self._told = True
-            if self._limit < self.ready(w.max_running):
-                return self._set(self._clamp(self.ready(w.max_running)), w, Code.SERVER)
+            if self._limit < w.max_running:
+                return self._set(self._clamp(w.max_running), w, Code.SERVER)
         if w.in_flight > w.limit + self._tolerance():
             # Still draining down to a lower limit (requests that had started cannot be
             # recalled): what the backend shows is what was sent before, not this limit.
@@ -332,7 +332,7 @@ class AdaptiveLimit:
             self._demand_since = w.start
         if w.end - self._demand_since >= self.settings.probe_every_s:
             nxt = self._probe_level()
-            if w.max_running is not None and self._limit >= self.ready(w.max_running):
+            if w.max_running is not None and self._limit >= w.max_running:
                 return None  # the server runs no more than it said: a probe could only queue
             if nxt > self._limit:
                 self._phase = Phase.PROBE
@@ -377,12 +377,10 @@ class AdaptiveLimit:
         from, only the waiting beyond that share was a queue."""
         level, waited, before = self._cut  # type: ignore[misc]
         self._cut = None
-        kept = self._limit - (self.capacity or self._limit)  # ready in its queue on purpose
-        waiting = max(0.0, w.awaiting_min - kept)
-        self.prefill_share = min(MAX_PREFILL_SHARE, waiting / max(w.in_flight - kept, 1e-9))
+        self.prefill_share = min(MAX_PREFILL_SHARE, w.awaiting_min / max(w.in_flight, 1e-9))
         queue = self._queued(waited, level)
         runs = max(1, math.floor(level - queue))
-        redo = self._clamp(min(level, self.ready(runs)))
+        redo = self._clamp(min(level, runs))
         if redo <= self._limit:
             return None
         self._full, self._least_excess = 0, math.inf
@@ -394,7 +392,7 @@ class AdaptiveLimit:
 
     def _full_at(self, w: Window) -> Decision | None:
         runs = max(1, math.floor(w.in_flight - self._least_excess))
-        new = self._clamp(min(self._limit - 1, self.ready(runs)))
+        new = self._clamp(min(self._limit - 1, runs))
         excess = self._least_excess
         if w.queue_reqs is None and new < self._limit:  # judged on our own count alone
             self._cut = (self._limit, w.awaiting_min, self._phase)
@@ -409,7 +407,7 @@ class AdaptiveLimit:
         nxt = max(2 * level, level + w.backlog)
         if w.max_running is not None:
             # The server runs at most this many: more would only wait inside it.
-            nxt = min(nxt, max(level, self.ready(w.max_running)))
+            nxt = min(nxt, max(level, w.max_running))
         return self._set(self._clamp(nxt), w, code)
 
     def _restart(self, w: Window) -> Decision | None:
@@ -449,13 +447,6 @@ class AdaptiveLimit:
         share x (in_flight - queued))."""
         p = self.prefill_share
         return max(0.0, (waiting - p * in_flight) / (1.0 - p))
-
-    def ready(self, runs: int) -> int:
-        """The limit for a backend that runs ``runs`` at once: that many plus a few ready in its
-        own queue (fewer than count as full), so that a seat freed is refilled in the engine's
-        next step rather than after the proxy's round trip, which on fast engines is longer.
-        Sending straight keeps the backend's queue full; this keeps it just non-empty."""
-        return runs + max(0, math.ceil(self._tolerance_at(runs)) - 1)
 
     def _tolerance_at(self, level: int) -> float:
         s = self.settings

@@ -32,7 +32,7 @@ def test_the_servers_word_ends_the_window_at_once_and_starts_the_limit_there():
     b.stats.scrape.max_running_requests = 64
     decisions = control.tick([b], clock.t)
     assert [d.code for _, d in decisions] == [Code.SERVER]
-    assert b.limit.limit == b.limit.ready(64)
+    assert b.limit.limit == 64
     clock.advance(0.1)
     assert control.tick([b], clock.t) == []  # taken once
 

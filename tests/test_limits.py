@@ -63,18 +63,16 @@ def test_settings_reject_nonsense():
 @pytest.mark.parametrize("cap", [3, 8, 24, 64, 100, 333, 1024])
 @pytest.mark.parametrize("scraped", [True, False])
 def test_converges_to_the_backends_capacity(cap, scraped):
-    """Whatever the engine's cap, the limit ends at what it runs plus the few kept ready in its
-    queue (fewer than count as full): never below (throughput lost), and above only while a
-    probe checks whether the capacity grew."""
+    """Whatever the engine's cap, the limit ends at what it runs: never below (throughput lost),
+    and above only while a probe checks whether the capacity grew."""
     lim = adaptive(floor=1)
     history = drive(lim, BatchModel(max_running=cap, scraped=scraped), 120)
-    ready = lim.ready(cap)
-    assert lim.capacity == cap and cap < ready <= cap + max(1, 0.05 * cap)
-    assert min(history[60:]) == ready
-    held = sum(1 for x in history[60:] if x == ready) / len(history[60:])
+    assert lim.capacity == cap
+    assert min(history[60:]) == cap
+    held = sum(1 for x in history[60:] if x == cap) / len(history[60:])
     assert held >= 0.75
     # a probe is +25%, and at least enough to be seen over the tolerance
-    assert max(history[60:]) <= ready + max(round(ready * 0.25), 3)
+    assert max(history[60:]) <= cap + max(round(cap * 0.25), 3)
 
 
 def test_reaches_capacity_within_ten_windows_from_the_floor():
@@ -114,7 +112,7 @@ def test_full_needs_consecutive_windows_and_cuts_to_what_the_backend_runs():
     )
     assert [d.code for d in decisions] == [Code.FULL]
     d = decisions[0]
-    assert d.before == 100 and d.after == lim.ready(70) == 73 and d.excess == 30.0
+    assert d.before == 100 and d.after == 70 and d.excess == 30.0
     assert lim.capacity == 70 and lim.phase is Phase.HOLD
 
 
@@ -143,7 +141,7 @@ def test_without_sglangs_gauge_what_still_waits_after_a_cut_is_prefill(share):
     history = drive(lim, BatchModel(max_running=400, prefill_share=share, scraped=False), 90)
     assert any(d.code is Code.PREFILL for d in lim.history)
     assert lim.prefill_share == pytest.approx(share, abs=0.05)
-    # the limit, with the few it keeps ready, never holds the backend below what it runs
+    # the limit never holds the backend below what it runs
     assert min(history[60:]) >= 400
     assert lim.capacity is not None and 0.95 * 400 <= lim.capacity <= 400 * (1 + share)
 
@@ -162,7 +160,7 @@ def test_non_streamed_traffic_is_judged_by_sglangs_queue():
         for i in range(FULL_WINDOWS)
     ]
     assert [d.code for d in feed(lim, windows)] == [Code.FULL]
-    assert lim.capacity == 40 and lim.limit == lim.ready(40) == 41
+    assert lim.capacity == 40 and lim.limit == 40
 
 
 def test_another_proxys_requests_in_the_queue_are_not_ours_to_shed():
@@ -182,16 +180,16 @@ def test_probes_above_a_held_capacity_under_demand_and_returns_when_still_full()
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40)
     drive(lim, model, 30)
-    assert lim.capacity == 40 and lim.limit == lim.ready(40) == 41
+    assert lim.capacity == 40 and lim.limit == 40
     held_at = lim.decision.at
     t = 30
     while (d := lim.update(model.window(lim.limit, t))) is None:
         t += 1
     # demand waited in the proxy all along: the probe comes probe_every_s after the hold began
-    assert d.code is Code.PROBE and d.after == 51 and lim.phase is Phase.PROBE  # +25%
+    assert d.code is Code.PROBE and d.after == 50 and lim.phase is Phase.PROBE  # +25%
     assert lim.settings.probe_every_s <= d.at - held_at <= lim.settings.probe_every_s + 1
     decisions = feed(lim, [model.window(lim.limit, t + 1 + i) for i in range(FULL_WINDOWS)])
-    assert [d.code for d in decisions] == [Code.FULL] and lim.limit == 41
+    assert [d.code for d in decisions] == [Code.FULL] and lim.limit == 40
 
 
 def test_a_probe_that_finds_no_queue_grows_again():
@@ -208,9 +206,9 @@ def test_a_probe_that_finds_no_queue_grows_again():
 def test_no_probe_without_requests_waiting_in_the_proxy():
     lim = adaptive(floor=1)
     drive(lim, BatchModel(max_running=40), 30)
-    assert lim.limit == 41
-    drive(lim, BatchModel(max_running=40, demand=41), 60)
-    assert lim.limit == 41 and lim.decision.code is Code.FULL
+    assert lim.limit == 40
+    drive(lim, BatchModel(max_running=40, demand=40), 60)
+    assert lim.limit == 40 and lim.decision.code is Code.FULL
 
 
 def test_errors_back_off():
@@ -264,7 +262,7 @@ def test_snapshot_and_decision_are_structured():
     lim = adaptive(floor=1)
     drive(lim, BatchModel(max_running=40), 30)
     snap = lim.snapshot()
-    assert snap["limit"] == 41 and snap["capacity"] == 40 and snap["phase"] == "hold"
+    assert snap["limit"] == 40 and snap["capacity"] == 40 and snap["phase"] == "hold"
     assert snap["decision"] == "full"
     assert str(lim.decision).startswith("full ")
 
@@ -275,9 +273,9 @@ def test_a_growth_step_stops_where_the_server_says_it_runs_no_more():
     lim = adaptive(floor=8)
     lim._told = True  # (as if the server's word had come before this test's windows)
     d = lim.update(dataclasses.replace(win(8, 0.0, backlog=200), max_running=64))
-    assert d is not None and d.code is Code.GROW and d.after == lim.ready(64) == 67
-    assert lim.update(dataclasses.replace(win(67, 1.0, backlog=150), max_running=64)) is None
-    assert lim.limit == 67
+    assert d is not None and d.code is Code.GROW and d.after == 64
+    assert lim.update(dataclasses.replace(win(64, 1.0, backlog=150), max_running=64)) is None
+    assert lim.limit == 64
 
 
 def test_a_cold_start_begins_where_the_server_says_it_runs():
@@ -285,21 +283,21 @@ def test_a_cold_start_begins_where_the_server_says_it_runs():
     or without demand yet (a limit binds only when demand exceeds it): no windows of growth."""
     lim = adaptive(floor=8)
     d = lim.update(dataclasses.replace(win(8, 0.0, pressure=0.0, in_flight=0.0), max_running=64))
-    assert d is not None and d.code is Code.SERVER and d.after == lim.ready(64) == 67
+    assert d is not None and d.code is Code.SERVER and d.after == 64
     assert lim.phase is Phase.START  # nothing measured yet: the evidence still decides
     # the word is taken once: a full backend below it comes down and stays down
     model = BatchModel(max_running=40)
     for i in range(5):
         lim.update(dataclasses.replace(model.window(lim.limit, 1 + i), max_running=64))
-    assert lim.capacity == 40 and lim.limit == lim.ready(40)
+    assert lim.capacity == 40 and lim.limit == 40
 
 
 def test_no_probe_at_or_above_what_the_server_says_it_runs():
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40)
     drive(lim, model, 30)
-    assert lim.limit == 41
-    windows = [dataclasses.replace(model.window(41, 30 + i), max_running=40) for i in range(60)]
+    assert lim.limit == 40
+    windows = [dataclasses.replace(model.window(40, 30 + i), max_running=40) for i in range(60)]
     assert feed(lim, windows) == []
 
 
