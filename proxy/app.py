@@ -124,6 +124,12 @@ class Proxy:
         self.scraper = Scraper(
             self.pool, s.scrape, session=self.session, on_scrape=lambda _b: self.admission.wake()
         )
+        if s.scrape.enabled:
+            # Before the first request: each server's own max_running_requests is where its
+            # limit starts (proxy/limits.py), so a cold start needs no windows of growth.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(s.scrape.timeout_s):
+                    await self.scraper.scrape_all()
         self.scraper.start()
         self._tasks.append(asyncio.create_task(self._lag_loop(), name="pipefill-lag"))
 

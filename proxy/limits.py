@@ -275,7 +275,10 @@ class AdaptiveLimit:
         """Judge one window; returns the decision if the limit changed."""
         w = window
         if w.restarted:
-            return self._restart(w)
+            resumed = self._restart(w)
+            if self.capacity is not None or w.max_running is None:
+                return resumed
+            # started over with nothing known: the server's own word below, as at a cold start
         if w.stale:
             self._stale += 1
             self._demand_since = None

@@ -309,3 +309,10 @@ def test_no_judgement_while_draining_down_to_a_lower_limit():
     draining = [win(50, i, in_flight=80.0, awaiting_min=30.0, pressure=0.0) for i in range(4)]
     assert feed(lim, draining) == []
     assert lim.limit == 50
+
+
+def test_a_restart_with_nothing_known_takes_the_servers_word_again():
+    lim = adaptive(floor=8)
+    w = dataclasses.replace(win(8, 0.0, pressure=0.0, in_flight=0.0), max_running=96)
+    d = lim.update(dataclasses.replace(w, restarted=True))
+    assert d is not None and d.code is Code.SERVER and lim.limit == 96

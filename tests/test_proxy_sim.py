@@ -18,6 +18,8 @@ import openai
 import pytest
 from conftest import free_port
 
+from loadtest.sim.profiles import load_profile
+
 BIN = Path(sys.executable).parent
 SIM_MODEL = "moonshotai/Kimi-K2.6"
 pytestmark = pytest.mark.slow
@@ -403,3 +405,21 @@ async def test_sigterm_grace_period_bounds_the_wait(sims, tmp_path):
                 break
             await asyncio.sleep(0.02)
         assert await _load(sims[0]) == 0
+
+
+async def test_a_cold_start_begins_at_what_the_server_says_it_runs(sims, tmp_path):
+    """The proxy asks each backend's /server_info before it serves: the first request already
+    finds each limit at its server's max_running_requests, not at the initial 8."""
+    cfg = tmp_path / "proxy.toml"
+    _write_config(cfg, [("tp8", sims[0]), ("pp8", sims[1])], FAST)
+    with ProxyProc(cfg) as px:
+        c = _client(px.url)
+        await c.chat.completions.create(
+            model=SIM_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
+        async with aiohttp.ClientSession() as s, s.get(px.url + "/admin/backends") as r:
+            assert r.status == 200
+            state = {b["name"]: b["limit_state"] for b in (await r.json())["backends"]}
+        for name in ("tp8", "pp8"):
+            assert state[name]["limit"] == load_profile(name).max_running_requests
+            assert state[name]["decision"] == "server"
