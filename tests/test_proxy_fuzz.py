@@ -35,6 +35,7 @@ from proxy_support import running_proxy
 from proxy.backends import State
 from proxy.routes import ADMITTED
 
+KEY = "fuzz-key"  # the clean proxy's client key
 RSS_BOUND = 256 * 1024 * 1024  # growth of the whole test process over the module
 ADMITTED_PATHS = sorted(ADMITTED)
 FUZZ = settings(
@@ -86,6 +87,12 @@ class Script:
     # "drop": the connection drops before any answer
 
 
+def _drop(request: web.Request) -> None:
+    """Close the connection under a request (if the proxy has not already)."""
+    if request.transport is not None:
+        request.transport.close()
+
+
 class _Served:
     """The two proxies and their upstreams on a background loop."""
 
@@ -129,7 +136,7 @@ class _Served:
         await request.read()
         s = self.script
         if s.end == "drop":
-            request.transport.close()  # type: ignore[union-attr]
+            _drop(request)
             return web.Response()
         resp = web.StreamResponse(status=s.status, headers={"Content-Type": s.content_type})
         with contextlib.suppress(ConnectionError):
@@ -138,7 +145,7 @@ class _Served:
                 await resp.write(chunk)
                 await asyncio.sleep(0)
             if s.end == "close":
-                request.transport.close()  # type: ignore[union-attr]
+                _drop(request)
                 return resp
             await resp.write_eof()
         return resp
@@ -153,7 +160,8 @@ class _Served:
         health = {"interval_s": 0.2, "passive_failures": 3, "eject_s": 0.2}
         # the wild backend fails on purpose: it is never ejected, so every example reaches it
         self.clean_up, clean_url = await self._upstream(self._clean)
-        self.clean_cm = running_proxy([clean_url], server=server, health=health)
+        keys = {"api_keys": [KEY], "admin_key": "fuzz-admin", "metrics_public": True}
+        self.clean_cm = running_proxy([clean_url], server={**server, **keys}, health=health)
         self.clean = await self.clean_cm.__aenter__()
         self.wild_up, wild_url = await self._upstream(self._wild)
         self.wild_cm = running_proxy(
@@ -208,8 +216,9 @@ class _Served:
 
     def check(self, px, *, client_side: bool) -> None:
         self.run(self.settled(px))
-        assert self.records.bad() == []
-        self.records.records.clear()
+        bad = self.records.bad()
+        self.records.records.clear()  # a failing example must not fail the next one
+        assert bad == []
         if client_side:
             for b in px.proxy.pool.all():
                 assert (b.state, b.consecutive_failures) == (State.HEALTHY, 0)
@@ -339,14 +348,29 @@ _VALUES = _mostly(
             b"batch",
             b"Bearer \xff\xfe",
             b"Bearer x",
+            b"Bearer fuzz-key",
+            b"Bearer fuzz-admin",
+            b"Bearer fuzz-key\xff",
+            b"bearer  fuzz-key ",
             b"nope",
         ]
     ),
-    st.binary(max_size=100).map(lambda b: b.translate(None, b"\r\n\x00")),  # not UTF-8
+    st.binary(max_size=100).map(lambda b: b.translate(None, b"\r\n\x00")),
+    st.binary(max_size=60).map(
+        lambda b: bytes(c | 0x80 if c < 0x20 else c for c in b)
+    ),  # not UTF-8
     st.binary(max_size=100),
     st.sampled_from([b"127.0.0.1", b"evil.example", b""]).map(lambda h: b"\x00" + h),
     st.integers(0, 40_000).map(lambda n: b"v" * n),  # huge values
     weight=3,
+)
+_AUTH = _mostly(
+    st.just(b"Bearer " + KEY.encode()),
+    st.sampled_from(
+        [b"Bearer fuzz-key\xff", b"Bearer \xff\xfe", b"\xe9", b"Bearer fuzz-admin", b"", b"Basic x"]
+    ),
+    st.binary(max_size=30).map(lambda b: b"Bearer " + bytes(c | 0x80 for c in b)),
+    weight=2,
 )
 _HEADERS = st.lists(st.tuples(_NAMES, _VALUES), max_size=5)
 _VERSIONS = _mostly(st.just(b"HTTP/1.1"), _VERSIONS, weight=3)
@@ -358,7 +382,7 @@ _BODY = st.one_of(
 )
 # Resolve the strategies now, in the main thread at collection: see tests/test_proxy_input.py
 # (CPython 3.11's AST validator is not thread-safe when hypothesis compiles its regex module).
-for _strategy in (_METHODS, _TARGETS, _VERSIONS, _NAMES, _VALUES, _HEADERS, _BODY):
+for _strategy in (_METHODS, _TARGETS, _VERSIONS, _NAMES, _VALUES, _HEADERS, _BODY, _AUTH):
     _strategy.validate()
 
 
@@ -409,11 +433,23 @@ async def _exchange(port: int, data: bytes, head_only: bool) -> tuple[int | None
     headers=_HEADERS,
     body=_BODY,
     framing=st.sampled_from(["length", "length", "none", "short", "long"]),
+    wellformed=_mostly(st.none(), st.sampled_from(ADMITTED_PATHS), weight=1),
+    auth=_AUTH,
 )
-def test_fuzz_raw_requests(fresh, method, target, version, headers, body, framing):
+def test_fuzz_raw_requests(
+    fresh, method, target, version, headers, body, framing, wellformed, auth
+):
     """Bytes over a raw socket: whatever the request line and headers, a 4xx (or the route's
-    answer), never a 5xx, never a traceback, never a backend's health."""
+    answer), never a 5xx, never a traceback, never a backend's health. ``wellformed``: a valid
+    request to that admitted route with only the headers fuzzed, so that they reach the
+    forwarding code."""
     px = fresh.clean
+    if wellformed is not None:
+        method, target, version = b"POST", wellformed.encode(), b"HTTP/1.1"
+        body, framing = b'{"model": "m", "prompt": "x", "messages": []}', "length"
+        headers = [(k, v) for k, v in headers if k.lower() not in (b"content-length", b"host")]
+        if not any(k.lower() == b"authorization" for k, _ in headers):
+            headers.insert(0, (b"Authorization", auth))
     lines = [method + b" " + target + b" " + version, b"Host: 127.0.0.1"]
     lines += [k + b": " + v for k, v in headers]
     if framing != "none":
@@ -487,7 +523,7 @@ def test_fuzz_json_bodies(fresh, path, doc, priority):
     else is 400 ``invalid_json`` and not forwarded; never a 5xx nor a backend's health."""
     px = fresh.clean
     data = orjson.dumps(doc)
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
     if priority is not None:
         headers["X-Priority"] = priority
     before = len(fresh.received)
