@@ -595,6 +595,38 @@ async def test_a_large_body_is_streamed_through_and_a_large_5xx_body_is_not_kept
         await runner.cleanup()
 
 
+async def test_a_5xx_body_cut_short_is_replaced_by_the_proxys_error():
+    """Found by tests/test_proxy_fuzz.py: a backend answering 500 that dropped the connection
+    halfway through its body had its status and headers relayed with an empty body."""
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(status=500, headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"error": {"message": "half')
+        request.transport.close()  # type: ignore[union-attr]
+        return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_post("/v1/chat/completions", cut)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        async with running_proxy([url], retries={"max_attempts": 1}) as px:
+            r, body = await _post(px.url + "/v1/chat/completions", {"model": MODEL})
+            assert r.status == 500
+            assert _error(body)["code"] == "upstream_error"
+    finally:
+        await runner.cleanup()
+
+
 async def test_queued_request_bytes_are_capped_with_a_counted_429():
     """Bodies waiting in the queue are held in memory: past ``queue.max_queued_bytes`` a request
     that would wait is refused (429 ``queue_bytes_full``, Retry-After) instead of queued."""
