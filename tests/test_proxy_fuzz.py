@@ -120,7 +120,8 @@ class _Served:
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app, access_log=None)
+        # its own logger: what the fake logs (e.g. a header over its own limits) is not the proxy's
+        runner = web.AppRunner(app, access_log=None, logger=logging.getLogger("fake.upstream"))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -618,17 +619,21 @@ def test_fuzz_misbehaving_upstream(fresh, script, path, stream):
     status, ctype, out, cut = fresh.run(_post_tolerant(px.url + path, orjson.dumps(doc)))
     sent = b"".join(script.chunks)
     code = _code_of(ctype, out)
-    if out != sent and (
-        code == _UPSTREAM_CODES.get(status)
-        # a 5xx body too large to keep for relaying: the backend's status, the proxy's body
-        or (status == script.status >= 500 and code == "upstream_error")
+    if (
+        out != sent
+        and code is not None
+        and (
+            code == _UPSTREAM_CODES.get(status)
+            # a 5xx body too large to keep for relaying: the backend's status, the proxy's body
+            or (status == script.status >= 500 and code == "upstream_error")
+        )
     ):
         _error_code(ctype, out)  # the proxy's own answer, attributed to the backend
     else:
         assert status == script.status and script.end != "drop", (status, out[:300])
         if script.end == "eof":
             assert (cut, out) == (False, sent)
-        elif status == 200 and script.content_type.startswith("text/event-stream"):
+        elif script.content_type.startswith("text/event-stream"):
             # a stream the backend cut: every byte it sent, then the proxy's SSE error event
             assert out.startswith(sent), (out[:300], sent[:300])
             assert b'"code":"upstream_error"' in out[len(sent) :], out[-300:]
