@@ -7,6 +7,9 @@ cannot pile onto one backend. Requests that find every backend at its limit wait
 their class (``interactive`` before ``batch``), bounded in number and in time:
 
 - queue full -> :class:`QueueFull` (``retry_after`` seconds; the app answers 429 + Retry-After),
+- the request bodies held by waiting requests would exceed ``max_queued_bytes`` with this one
+  (``acquire(size=len(body))``) -> :class:`QueueBytesFull` (a :class:`QueueFull`: 429); a waiter's
+  bytes are released when it leaves the queue, whichever way,
 - waited longer than the deadline -> :class:`QueueTimeout` (503),
 - no routable backend (or all excluded) -> :class:`NoHealthyBackend` (503),
 - the client went away (the awaiting task is cancelled) -> the waiter leaves the queue at once.
@@ -48,6 +51,11 @@ class QueueSettings(BaseModel):
 
     max_length: int = Field(1024, ge=0, description="requests waiting at most (then 429)")
     deadline_s: float = Field(30.0, gt=0, description="longest wait in the queue (then 503)")
+    max_queued_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="request body bytes held by waiting requests at most (then 429; 0 = no cap)",
+    )
     priority_header: str = Field(
         "X-Priority", description="request header: 'interactive' (default) or 'batch'"
     )
@@ -69,6 +77,16 @@ class QueueFull(AdmissionError):
     def __init__(self, retry_after: int) -> None:
         super().__init__(f"the proxy's queue is full; retry after {retry_after} s")
         self.retry_after = retry_after
+
+
+class QueueBytesFull(QueueFull):
+    reason = "queue_bytes_full"
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(retry_after)
+        self.args = (
+            f"the proxy's queue holds too many request bytes; retry after {retry_after} s",
+        )
 
 
 class QueueTimeout(AdmissionError):
@@ -118,15 +136,21 @@ class Lease:
 
 
 class _Waiter:
-    __slots__ = ("enqueued", "exclude", "fut", "priority", "timer")
+    __slots__ = ("enqueued", "exclude", "fut", "priority", "size", "timer")
 
     def __init__(
-        self, fut: asyncio.Future, priority: Priority, exclude: frozenset[str], now: float
+        self,
+        fut: asyncio.Future,
+        priority: Priority,
+        exclude: frozenset[str],
+        now: float,
+        size: int = 0,
     ) -> None:
         self.fut = fut
         self.priority = priority
         self.exclude = exclude
         self.enqueued = now
+        self.size = size
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -140,6 +164,7 @@ class Admission:
         *,
         max_queue: int = 1024,
         queue_deadline_s: float = 30.0,
+        max_queued_bytes: int = 0,
         probe_in_flight: int = 1,
         control_interval_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
@@ -147,6 +172,8 @@ class Admission:
         self.pool = pool
         self.policy = policy
         self.max_queue = max_queue
+        self.max_queued_bytes = max_queued_bytes  # 0: no cap
+        self.queued_bytes = 0  # request body bytes held by waiters
         self.queue_deadline_s = queue_deadline_s
         self.probe_in_flight = probe_in_flight
         self.control_interval_s = control_interval_s
@@ -158,6 +185,7 @@ class Admission:
         # observability
         self.rejections: dict[str, int] = {
             "queue_full": 0,
+            "queue_bytes_full": 0,
             "queue_timeout": 0,
             "no_healthy_backend": 0,
             "client_gone": 0,
@@ -181,6 +209,7 @@ class Admission:
             policy,
             max_queue=queue.max_length,
             queue_deadline_s=queue.deadline_s,
+            max_queued_bytes=queue.max_queued_bytes,
             probe_in_flight=probe_in_flight,
             control_interval_s=queue.control_interval_s,
         )
@@ -194,12 +223,14 @@ class Admission:
         deadline: float | None = None,
         *,
         front: bool = False,
+        size: int = 0,
     ) -> Lease:
         """Wait for a slot and bind a backend. ``deadline``: longest wait in seconds (default
         the queue's ``deadline_s``). ``exclude``: backend names not to use (retries).
         ``front``: a request recalled from a backend's queue: it waits first in its class and
         is never refused for a full queue (it was admitted once already); its caller passes
-        what is left of its deadline."""
+        what is left of its deadline. ``size``: the request body's bytes, held while it waits
+        (a recalled request's count but never refuse it)."""
         if priority not in self._queues:
             priority = "interactive"
         exclude = frozenset(exclude)
@@ -216,7 +247,10 @@ class Admission:
         if self.depth >= self.max_queue and not front:
             self._reject("queue_full")
             raise QueueFull(self.retry_after())
-        return await self._wait(priority, exclude, now, deadline, front)
+        if self.max_queued_bytes and not front and self.queued_bytes + size > self.max_queued_bytes:
+            self._reject("queue_bytes_full")
+            raise QueueBytesFull(self.retry_after())
+        return await self._wait(priority, exclude, now, deadline, front, size)
 
     async def _wait(
         self,
@@ -225,9 +259,11 @@ class Admission:
         now: float,
         deadline: float | None,
         front: bool = False,
+        size: int = 0,
     ) -> Lease:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), priority, exclude, now)
+        waiter = _Waiter(loop.create_future(), priority, exclude, now, size)
+        self.queued_bytes += size
         self._seq += 1
         key = self._seq
         if front:
@@ -248,6 +284,7 @@ class Admission:
             raise
         finally:
             waiter.timer.cancel()
+            self.queued_bytes -= size  # however it left: admitted, timed out, refused, gone
             self._queues[priority].pop(key, None)
             self._note_waiters()
 
@@ -310,6 +347,8 @@ class Admission:
         out: dict[str, Any] = {
             "depth": self.depth,
             "max_length": self.max_queue,
+            "queued_bytes": self.queued_bytes,
+            "max_queued_bytes": self.max_queued_bytes,
             "deadline_s": self.queue_deadline_s,
             "rejections": dict(self.rejections),
             "classes": {},

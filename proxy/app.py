@@ -26,7 +26,7 @@ from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
 from proxy import routes
-from proxy.admission import Admission, NoHealthyBackend, QueueFull, QueueTimeout
+from proxy.admission import Admission, NoHealthyBackend, QueueBytesFull, QueueFull, QueueTimeout
 from proxy.backends import Backend, BackendPool, State, default_limit_factory
 from proxy.errors import JSON, error_body, error_response
 from proxy.forward import Forwarder
@@ -316,13 +316,16 @@ class Proxy:
                 acquire = self._direct_acquire
         elif route.admitted:
             priority = self._priority(request, key)
+            size = len(body or b"")
 
             def acquire(exclude: frozenset[str], recalled: bool = False) -> Any:
                 deadline = None
                 if recalled:  # its time in the backend's queue counts against the deadline
                     waited = time.monotonic() - t_arrive
                     deadline = self.admission.queue_deadline_s - waited
-                return self.admission.acquire(priority, exclude, deadline, front=recalled)
+                return self.admission.acquire(
+                    priority, exclude, deadline, front=recalled, size=size
+                )
         else:
             acquire = self._direct_acquire
         return await self.forwarder.forward(  # type: ignore[union-attr]
@@ -359,6 +362,14 @@ class Proxy:
         return acquire
 
     def _admission_error(self, e: BaseException) -> web.Response | None:
+        if isinstance(e, QueueBytesFull):
+            self.metrics.rejections.labels("queue_bytes_full").inc()
+            return error_response(
+                429,
+                "the proxy's queue holds too many request bytes; retry later",
+                "queue_bytes_full",
+                headers={"Retry-After": str(e.retry_after)},
+            )
         if isinstance(e, QueueFull):
             self.metrics.rejections.labels("queue_full").inc()
             return error_response(

@@ -500,10 +500,12 @@ class Forwarder:
         self, b: Backend, resp: aiohttp.ClientResponse, deadline: float
     ) -> Failure:
         """A retry status: the backend's own body is kept (up to ERROR_BODY_CAP bytes; a larger
-        one is dropped for the proxy's own error) in case no other backend does better."""
+        one, or one cut short, is dropped for the proxy's own error) in case no other backend
+        does better."""
         kind = f"http_{resp.status}"
         wd = _Watchdog(resp, self._t.idle_s, deadline)
         data = bytearray()
+        whole = True
         try:
             while len(data) <= ERROR_BODY_CAP:
                 chunk = await resp.content.read(ERROR_BODY_CAP + 1 - len(data))
@@ -511,11 +513,11 @@ class Forwarder:
                     break
                 data += chunk
         except (UpstreamError, aiohttp.ClientError, OSError):
-            data = bytearray()
+            whole = False  # its headers would promise a body the client never gets
         finally:
             wd.cancel()
         f = self._fail(b, kind, resp.status, f"backend answered {resp.status}")
-        if len(data) <= ERROR_BODY_CAP:
+        if whole and len(data) <= ERROR_BODY_CAP:
             f.upstream = (resp.status, _response_headers(resp.headers), bytes(data))
         return f
 

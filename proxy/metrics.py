@@ -253,7 +253,7 @@ class _AdaptCollector(Collector):
         gone = CounterMetricFamily(
             "pipefill_queue_rejections",
             "Requests that left the queue without a backend, by reason "
-            "(queue_full, queue_timeout, no_healthy_backend, client_gone)",
+            "(queue_full, queue_bytes_full, queue_timeout, no_healthy_backend, client_gone)",
             labels=["reason"],
         )
         for reason, count in adm.rejections.items():

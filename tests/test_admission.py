@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from adapt_fakes import FakeBackend, FakeClock
 
-from proxy.admission import Admission, NoHealthyBackend, QueueFull, QueueTimeout
+from proxy.admission import Admission, NoHealthyBackend, QueueBytesFull, QueueFull, QueueTimeout
 from proxy.limits import LimitSettings
 from proxy.policies import make_policy
 
@@ -363,3 +363,48 @@ async def test_each_backend_is_told_its_share_of_the_queue_split_by_limits():
     assert a.stats.take_window().backlog == 0
     for lease in leases:
         lease.release()
+
+
+async def test_queued_request_bytes_are_capped_and_released_however_a_waiter_leaves():
+    a = FakeBackend("a", 1)
+    adm = admission([a], max_queued_bytes=1000)
+    lease = await adm.acquire(size=10**6)  # bound at once: its bytes are not queued
+    assert adm.queued_bytes == 0
+    first = asyncio.create_task(adm.acquire(size=600))
+    await settle()
+    assert adm.queued_bytes == 600
+    with pytest.raises(QueueBytesFull) as e:  # 600 + 500 > 1000: refused, not queued
+        await adm.acquire(size=500)
+    assert isinstance(e.value, QueueFull) and e.value.retry_after >= 1
+    assert adm.rejections["queue_bytes_full"] == 1 and adm.depth == 1
+    second = asyncio.create_task(adm.acquire(size=400))  # 600 + 400 fits
+    await settle()
+    assert adm.queued_bytes == 1000 and adm.snapshot()["queued_bytes"] == 1000
+    # a recalled request (front) is never refused, but its bytes count
+    recalled = asyncio.create_task(adm.acquire(size=300, front=True))
+    await settle()
+    assert adm.queued_bytes == 1300
+    # leaving: admitted ...
+    lease.release()
+    (await recalled).release()
+    held = await first
+    assert adm.queued_bytes == 400
+    # ... the client gone ...
+    second.cancel()
+    await asyncio.gather(second, return_exceptions=True)
+    assert adm.queued_bytes == 0
+    # ... timed out
+    with pytest.raises(QueueTimeout):
+        await adm.acquire(size=700, deadline=0.01)
+    assert adm.queued_bytes == 0
+    held.release()
+    # 0: no cap
+    adm.max_queued_bytes = 0
+    held = await adm.acquire()
+    big = asyncio.create_task(adm.acquire(size=10**9))
+    await settle()
+    assert adm.queued_bytes == 10**9
+    big.cancel()
+    await asyncio.gather(big, return_exceptions=True)
+    held.release()
+    assert adm.queued_bytes == 0 and adm.rejections["queue_bytes_full"] == 1

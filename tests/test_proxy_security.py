@@ -12,6 +12,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from proxy_support import MODEL, fakes, proxy_settings, running_proxy, wait_for
+from test_proxy_forward import _HandLimit
 
 from proxy.app import ProxyServer
 from proxy.backends import State
@@ -592,6 +593,82 @@ async def test_a_large_body_is_streamed_through_and_a_large_5xx_body_is_not_kept
             assert _error(body)["code"] == "upstream_error"
     finally:
         await runner.cleanup()
+
+
+async def test_a_5xx_body_cut_short_is_replaced_by_the_proxys_error():
+    """Found by tests/test_proxy_fuzz.py: a backend answering 500 that dropped the connection
+    halfway through its body had its status and headers relayed with an empty body."""
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(status=500, headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"error": {"message": "half')
+        request.transport.close()  # type: ignore[union-attr]
+        return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_post("/v1/chat/completions", cut)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        async with running_proxy([url], retries={"max_attempts": 1}) as px:
+            r, body = await _post(px.url + "/v1/chat/completions", {"model": MODEL})
+            assert r.status == 500
+            assert _error(body)["code"] == "upstream_error"
+    finally:
+        await runner.cleanup()
+
+
+async def test_queued_request_bytes_are_capped_with_a_counted_429():
+    """Bodies waiting in the queue are held in memory: past ``queue.max_queued_bytes`` a request
+    that would wait is refused (429 ``queue_bytes_full``, Retry-After) instead of queued."""
+
+    def body(n: int) -> dict:  # a chat request of exactly n bytes
+        doc = {"model": MODEL, "messages": [{"role": "user", "content": ""}]}
+        pad = n - len(orjson.dumps(doc))
+        doc["messages"][0]["content"] = "x" * pad
+        assert len(orjson.dumps(doc)) == n
+        return doc
+
+    async with (
+        fakes(1) as (up,),
+        running_proxy([up.url], queue={"max_queued_bytes": 1000}) as px,
+    ):
+        (a,) = px.proxy.pool.all()
+        adm = px.proxy.admission
+        a.limit = _HandLimit(1)
+        up.hold_s = 1.0
+        url = px.url + "/v1/chat/completions"
+        running = asyncio.create_task(_post(url, body(100)))
+        await wait_for(lambda: up.held == 1)
+        first = asyncio.create_task(_post(url, body(700)))
+        await wait_for(lambda: adm.depth == 1)
+        assert adm.queued_bytes == 700
+        r, out = await _post(url, body(400))  # 700 + 400 > 1000
+        assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
+        assert _error(out)["code"] == "queue_bytes_full"
+        second = asyncio.create_task(_post(url, body(300)))  # 700 + 300 fits
+        await wait_for(lambda: adm.depth == 2)
+        assert adm.queued_bytes == 1000
+        a.limit._limit = 3
+        adm.wake()
+        for task in (running, first, second):
+            r, _ = await asyncio.wait_for(task, 10)
+            assert r.status == 200
+        assert adm.queued_bytes == 0 and adm.depth == 0
+        assert adm.snapshot()["rejections"]["queue_bytes_full"] == 1
+        assert len(up.requests) == 3
+        assert a.state is State.HEALTHY and a.consecutive_failures == 0
+        metrics = (await _get(px.url + "/metrics"))[1].decode()
+        assert 'pipefill_rejections_total{reason="queue_bytes_full"} 1.0' in metrics
 
 
 # ---- the Low items ------------------------------------------------------------------------------
