@@ -264,6 +264,7 @@ class AdaptiveLimit:
         #: (level, waiting, state before) of a cut decided on our own count alone
         self._cut: tuple[int, float, Phase] | None = None
         self._least_excess = math.inf  # over those windows
+        self._last_excess = math.inf  # in the last of them
         self._open = 0  # judged windows in a row at a probe without a queue
         self._demand_since: float | None = None  # demand above a held limit since
         self._stale = 0
@@ -305,7 +306,12 @@ class AdaptiveLimit:
                 return undo
         excess = self.excess(w)
         if excess >= self._tolerance():
+            if self._full and excess < self._last_excess - self._tolerance():
+                # The queue is emptying by itself: a wave of prefills (after a surge or a big
+                # raise) drains, a full backend's queue stays. Start counting again.
+                self._full, self._least_excess = 0, math.inf
             self._full += 1
+            self._last_excess = excess
             self._least_excess = min(self._least_excess, excess)
             self._open = 0
             if self._full >= FULL_WINDOWS:

@@ -316,3 +316,15 @@ def test_a_restart_with_nothing_known_takes_the_servers_word_again():
     w = dataclasses.replace(win(8, 0.0, pressure=0.0, in_flight=0.0), max_running=96)
     d = lim.update(dataclasses.replace(w, restarted=True))
     assert d is not None and d.code is Code.SERVER and lim.limit == 96
+
+
+def test_a_queue_that_empties_by_itself_is_a_prefill_wave_not_a_full_backend():
+    """After a surge, SGLang queues the new requests for their prefill; that queue drains window
+    by window. Only a queue that stays says the backend is full."""
+    lim = adaptive(floor=1, initial=64)
+    wave = [win(64, i, awaiting_min=40.0 - 12 * i, queue=40.0 - 12 * i, running=24.0 + 12 * i)
+            for i in range(4)]  # fmt: skip
+    assert feed(lim, wave) == [] and lim.limit == 64
+    stays = [win(64, 10 + i, awaiting_min=10.0, queue=10.0, running=54.0) for i in range(2)]
+    # the cut takes the smallest excess of the windows counted (the wave's last one, 4)
+    assert [d.code for d in feed(lim, stays)] == [Code.FULL] and lim.limit == 60
