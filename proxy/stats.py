@@ -255,7 +255,6 @@ class BackendStats:
         self._if_stamp = clock()
         self._win = _WindowAcc(start=self._if_stamp)
         self._restart_pending = False
-        self.window_baseline: dict[str, float | None] = {}
 
     # ---- write side (forwarding, admission, scraper) ------------------------------------
 
@@ -511,9 +510,6 @@ class BackendStats:
     @property
     def window_started(self) -> float:
         return self._win.start
-
-    def window_tokens(self) -> int:
-        return self._win.tokens
 
     def take_window(self, now: float | None = None) -> Window:
         """Close the current window and return it; a new one starts at ``now``."""
