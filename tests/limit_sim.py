@@ -198,7 +198,25 @@ def closed_loop_through_proxy(
         b.sched = Scheduler(b.profile, seed=b.seed, emit=make_emit(b), make_ids=False)
         if scrape_interval_s:
             b.stats.stale_after_s = 3 * scrape_interval_s
+    def scrape(t: float) -> None:
+        for b in backends:
+            # what the server's /server_info says, as the proxy's scraper reads it
+            b.stats.scrape.max_running_requests = b.profile.max_running_requests
+            lg = b.sched.logged_stats()
+            b.stats.observe_scrape(
+                ok=True,
+                queue_reqs=float(lg.num_queue_reqs),
+                running_reqs=float(lg.num_running_reqs),
+                token_usage=float(lg.token_usage),
+                retractions_total=float(b.sched.counters.retractions_total),
+                now=t,
+            )
+
     control = LimitControl()
+    if scrape_interval_s:
+        # as the proxy: one scrape before the first request, and the limits told of it
+        scrape(0.0)
+        control.tick(backends, 0.0)
     queued.extend([0.0] * clients)
     dispatch(0.0)
     next_tick = tick_s
@@ -213,18 +231,7 @@ def closed_loop_through_proxy(
             due.sched.advance(t)
             continue
         if next_scrape <= t:
-            for b in backends:
-                # what the server's /server_info says, as the proxy's scraper reads it
-                b.stats.scrape.max_running_requests = b.profile.max_running_requests
-                lg = b.sched.logged_stats()
-                b.stats.observe_scrape(
-                    ok=True,
-                    queue_reqs=float(lg.num_queue_reqs),
-                    running_reqs=float(lg.num_running_reqs),
-                    token_usage=float(lg.token_usage),
-                    retractions_total=float(b.sched.counters.retractions_total),
-                    now=t,
-                )
+            scrape(t)
             next_scrape = t + (scrape_interval_s or float("inf"))
         if next_tick <= t:
             for i, b in enumerate(backends):
