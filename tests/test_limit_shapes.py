@@ -174,8 +174,10 @@ def test_a_tiny_shape_runs_through_every_client_count(parallelism, stages):
         assert sweep[r["best_fixed"]]["tokens_per_s"] == max(
             m["tokens_per_s"] for m in sweep.values()
         )
-        assert r["best_tps"] == sweep[r["best_fixed"]]["tokens_per_s"] > 0
-        assert r["direct_tps"] == sweep[r["clients"]]["tokens_per_s"]
+        # the ratios' fixed runs are measured again in the adaptive run's window
+        assert r["best_tps"] > 0 and r["direct_tps"] > 0
+        if r["best_fixed"] == r["clients"]:
+            assert (r["best_tps"], r["best_ttft_p99"]) == (r["direct_tps"], r["direct_ttft_p99"])
         assert r["tps_ratio"] == pytest.approx(r["adaptive_tps"] / r["best_tps"])
         assert r["ttft_ratio"] == pytest.approx(r["adaptive_ttft_p99"] / r["best_ttft_p99"])
         assert r["passes"] == bench.passes(r["tps_ratio"], r["ttft_ratio"])
