@@ -196,6 +196,15 @@ def noise_factor(rng: random.Random, sigma: float) -> float:
     return math.exp(sigma * rng.gauss(0.0, 1.0) - sigma * sigma / 2.0)
 
 
+#: SGLang's adaptive admission reserve (SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR,
+#: SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS, SGLANG_RETRACT_DECODE_STEPS): the ratio starts at the
+#: profile's ``new_token_ratio``, falls by (start - floor) / DECAY_STEPS per decode pass to
+#: start x MIN_FACTOR, is re-estimated from the batch on a retraction and restarts when idle
+NEW_TOKEN_RATIO_MIN_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+
+
 class Scheduler:
     """Continuous batching over slots; see the module docstring."""
 
@@ -215,6 +224,10 @@ class Scheduler:
         self.counters = EngineCounters()
         self.used_tokens = 0
         self.num_running = 0
+        r0 = profile.new_token_ratio
+        self._ratio_floor = r0 * NEW_TOKEN_RATIO_MIN_FACTOR
+        self._ratio_decay = (r0 - self._ratio_floor) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = r0
         self._passes: list[tuple[float, int, _Pass]] = []  # heap by (t_done, seq)
         self._in_flight: dict[int, _Pass] = {}
         self._seq = 0
@@ -253,6 +266,8 @@ class Scheduler:
         )
         if req.rid in self.reqs:  # SGLang rejects a live duplicate rid
             raise DuplicateRequestError(f"request id {req.rid!r} is already running")
+        if self.num_running == 0 and not self.waiting:  # idle: SGLang restarts its estimate
+            self.new_token_ratio = self.profile.new_token_ratio
         self._spin()
         self.reqs[req.rid] = req
         if req.prompt_tokens + 1 > self.profile.max_total_tokens:
@@ -414,7 +429,7 @@ class Scheduler:
                 return
 
     def _reserve(self) -> float:
-        r = self.profile.new_token_ratio
+        r = self.new_token_ratio
         if r <= 0:
             return 0.0
         return r * sum(q.remaining for s in self.slots for q in s)
@@ -439,6 +454,12 @@ class Scheduler:
             decoders.remove(victim)
             self._retract(victim)
             retracted = True
+        if retracted and decoders:
+            # SGLang's retract_decode: the ratio the remaining batch shows it needs
+            done = sum(q.generated for q in decoders) + RETRACT_DECODE_STEPS * len(decoders)
+            self.new_token_ratio = min(1.0, done / max(sum(q.target for q in decoders), 1))
+        elif decoders:
+            self.new_token_ratio = max(self.new_token_ratio - self._ratio_decay, self._ratio_floor)
         # 2. admission (not right after a retraction: the pool is known to be full)
         budget = p.chunked_prefill_size
         chunks: list[tuple[Req, int]] = []
@@ -460,7 +481,7 @@ class Scheduler:
                         q, Finish("abort", message="KV cache pool is full", status_code=503)
                     )
                     continue
-                new_reserve = p.new_token_ratio * q.remaining
+                new_reserve = self.new_token_ratio * q.remaining
                 if self.used_tokens + need + 1 + reserve + new_reserve > p.max_total_tokens:
                     if self.num_running == 0 and self.used_tokens + need + 1 <= p.max_total_tokens:
                         pass  # an empty engine always admits what fits
