@@ -209,8 +209,9 @@ class AdaptiveLimit:
       generated shapes cutting on them lost throughput against sending straight.
 
     A backend is full when the excess is above ``max(queue_tolerance, queue_share * limit)``
-    for ``FULL_WINDOWS`` judged windows; the limit then becomes the window's in-flight count
-    minus the smallest excess seen, and that is the capacity. Windows right after a change are
+    (the tolerance) for ``FULL_WINDOWS`` judged windows; the capacity is then the window's
+    in-flight count minus the smallest excess seen, and the limit that plus the tolerance,
+    which the backend keeps ready (``_ready``). Windows right after a change are
     not judged (proxy/control.py waits until the change's requests had their prefill), nor
     windows with more in flight than the limit (draining: what the backend shows was sent
     before).
@@ -264,6 +265,8 @@ class AdaptiveLimit:
         #: (level, waiting, state before) of a cut decided on our own count alone
         self._cut: tuple[int, float, Phase] | None = None
         self._least_excess = math.inf  # over those windows
+        #: (window end, requests the backend ran) of judged windows under demand or full
+        self._runs: deque[tuple[float, float]] = deque()
         self._last_excess = math.inf  # in the last of them
         self._open = 0  # judged windows in a row at a probe without a queue
         self._demand_since: float | None = None  # demand above a held limit since
@@ -305,7 +308,9 @@ class AdaptiveLimit:
             if undo is not None:
                 return undo
         excess = self.excess(w)
-        if excess >= self._tolerance():
+        if excess > self._tolerance() or w.pressure >= PRESSURE:
+            self._note_runs(w.end, w.in_flight - excess)
+        if excess > self._tolerance():
             if self._full and excess < self._last_excess - self._tolerance():
                 # The queue is emptying by itself: a wave of prefills (after a surge or a big
                 # raise) drains, a full backend's queue stays. Start counting again.
@@ -380,16 +385,18 @@ class AdaptiveLimit:
         """The first judged window after a cut made on our own count alone. A queue empties
         when the limit comes down to what the backend runs, but requests in prefill (a dense
         stream of arrivals with long prompts) wait a moment each at any level, in proportion to
-        it; one count cannot tell them apart, two levels can. What still waits now is the share
-        in prefill (or more, if the cut left some queue: an overestimate errs towards a higher
-        limit); it is discounted from now on, and the cut is redone with it: at the level cut
-        from, only the waiting beyond that share was a queue."""
+        it; one count cannot tell them apart, two levels can. Such a cut goes to what the
+        backend runs with none kept ready, so what still waits now is the share in prefill (or
+        more, if the cut left some queue: an overestimate errs towards a higher limit); it is
+        discounted from now on, and the cut is redone with it, to what the backend runs plus
+        the requests kept ready: at the level cut from, only the waiting beyond that share was
+        a queue."""
         level, waited, before = self._cut  # type: ignore[misc]
         self._cut = None
         self.prefill_share = min(MAX_PREFILL_SHARE, w.awaiting_min / max(w.in_flight, 1e-9))
         queue = self._queued(waited, level)
         runs = max(1, math.floor(level - queue))
-        redo = self._clamp(min(level, runs))
+        redo = self._clamp(min(level, self._ready(runs)))
         if redo <= self._limit:
             return None
         self._full, self._least_excess = 0, math.inf
@@ -400,16 +407,35 @@ class AdaptiveLimit:
         return self._set(redo, w, Code.PREFILL, excess=queue)
 
     def _full_at(self, w: Window) -> Decision | None:
-        runs = max(1, math.floor(w.in_flight - self._least_excess))
-        new = self._clamp(min(self._limit - 1, runs))
+        runs = max(1, math.floor(w.in_flight - self._least_excess), math.floor(self._peak()))
+        alone = w.queue_reqs is None  # judged on our own count: prefill may be in it
+        # on our own count, a cut leaves none ready, so that the next window shows prefill
+        # alone (``_check_cut`` then redoes it, with the requests kept ready)
+        target = runs if alone else self._ready(runs)
         excess = self._least_excess
-        if w.queue_reqs is None and new < self._limit:  # judged on our own count alone
-            self._cut = (self._limit, w.awaiting_min, self._phase)
         self._full, self._least_excess = 0, math.inf
         self.capacity = runs
         self._phase = Phase.HOLD
         self._demand_since = None
-        return self._set(new, w, Code.FULL, excess=excess)
+        if target >= self._limit:
+            return None  # it ran this many lately: a passing dip in its room, held through
+        if alone:  # the waiting that the cut's excess was read from (``_queued`` inverted)
+            p = self.prefill_share
+            self._cut = (self._limit, excess * (1.0 - p) + p * w.in_flight, self._phase)
+        return self._set(self._clamp(target), w, Code.FULL, excess=excess)
+
+    def _note_runs(self, at: float, runs: float) -> None:
+        self._runs.append((at, runs))
+        while self._runs and self._runs[0][0] < at - self.settings.probe_every_s:
+            self._runs.popleft()
+
+    def _peak(self) -> float:
+        """The most the backend ran in a judged window of the last ``probe_every_s``. Its
+        capacity changes slowly (deployment, workload mix), its room from moment to moment
+        (an SGLang server admits less for a while after it retracted requests, a prefill wave
+        holds the pool): a cut follows the capacity, and a dip waits in the backend's queue
+        as it would with no limit at all."""
+        return max((r for _, r in self._runs), default=0.0)
 
     def _grow(self, w: Window, code: Code) -> Decision | None:
         level = self._limit
@@ -427,7 +453,7 @@ class AdaptiveLimit:
             # it keeps requests waiting and the limit comes down.
             self.capacity = self._clamp(known)
             self._phase = Phase.HOLD
-            return self._set(self.capacity, w, Code.RESTART)
+            return self._set(self._clamp(self._ready(self.capacity)), w, Code.RESTART)
         self.decision = Decision(Code.RESTART, self._limit, self._limit, w.end)
         self.history.append(self.decision)
         return self.decision
@@ -463,6 +489,14 @@ class AdaptiveLimit:
 
     def _tolerance(self) -> float:
         return self._tolerance_at(self._limit)
+
+    def _ready(self, runs: int) -> int:
+        """The limit for a backend that runs ``runs``: that plus the tolerance, kept ready in
+        its queue. Its room is not constant (a token-sized KV pool frees room for several short
+        requests when one long one ends; a prefill budget takes what waits at each step), and
+        a request already there fills it at once; a cut to exactly ``runs`` would starve it at
+        every peak. A few requests bound early cost the proxy little late binding."""
+        return math.floor(runs + self._tolerance_at(runs))
 
     def _probe_level(self) -> int:
         """``probe_step`` above the limit, and at least enough that, if the capacity did not
