@@ -198,6 +198,7 @@ def closed_loop_through_proxy(
         b.sched = Scheduler(b.profile, seed=b.seed, emit=make_emit(b), make_ids=False)
         if scrape_interval_s:
             b.stats.stale_after_s = 3 * scrape_interval_s
+
     def scrape(t: float) -> None:
         for b in backends:
             # what the server's /server_info says, as the proxy's scraper reads it
