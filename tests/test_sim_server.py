@@ -446,8 +446,19 @@ async def test_metrics_one_series_per_dp_rank():
     assert len(totals) == dp > 1
     assert sum(totals) == backend.engine.logged_stats().max_total_num_tokens
     keys = [k for k in samples if k.startswith("sglang:token_usage{")]
-    assert all('moe_ep_rank="0"' in k for k in keys)
-    assert {k.split('dp_rank="')[1].split('"')[0] for k in keys} == {str(r) for r in range(dp)}
+    ranks = {
+        label: {k.split(f'{label}="')[1].split('"')[0] for k in keys}
+        for label in ("dp_rank", "tp_rank", "moe_ep_rank")
+    }
+    # DP attention (tp 8, dp 8): each DP rank's scheduler is TP rank r and EP rank r, as SGLang's
+    assert (
+        ranks["dp_rank"] == ranks["tp_rank"] == ranks["moe_ep_rank"] == {str(r) for r in range(dp)}
+    )
+    assert all(f'dp_rank="{r}"' in k and f'tp_rank="{r}"' in k for k in keys for r in [_dp(k)])
+
+
+def _dp(key: str) -> str:
+    return key.split('dp_rank="')[1].split('"')[0]
 
 
 def _samples(text: str) -> dict[str, float]:
