@@ -25,7 +25,7 @@ import orjson
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
-from proxy import routes
+from proxy import routes, sequences
 from proxy.admission import Admission, NoHealthyBackend, QueueBytesFull, QueueFull, QueueTimeout
 from proxy.backends import Backend, BackendPool, State, default_limit_factory
 from proxy.errors import JSON, error_body, error_response
@@ -263,6 +263,7 @@ class Proxy:
             )
         body: bytes | None = None
         streamed = False
+        seqs = 1
         if request.body_exists:
             length = request.content_length
             if length is not None and length > self._max_body:
@@ -287,7 +288,12 @@ class Proxy:
                 obj, bad = _json_object(body)
                 if obj is None:
                     return self._reject(400, str(bad), "invalid_json", label, rid)
-                streamed = route.api is not None and _truthy(obj.get("stream"))
+                streamed = (
+                    route.api is not None
+                    and route.streamable
+                    and _truthy(obj.get("stream", route.stream_default))
+                )
+                seqs = sequences.count(route.body, obj)
         if route.admitted and not body:
             return self._reject(
                 400, "request body must be a JSON object", "invalid_json", label, rid
@@ -324,7 +330,7 @@ class Proxy:
                     waited = time.monotonic() - t_arrive
                     deadline = self.admission.queue_deadline_s - waited
                 return self.admission.acquire(
-                    priority, exclude, deadline, front=recalled, size=size
+                    priority, exclude, deadline, front=recalled, size=size, seqs=seqs
                 )
         else:
             acquire = self._direct_acquire
