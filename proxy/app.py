@@ -31,6 +31,7 @@ from proxy.backends import Backend, BackendPool, State, default_limit_factory
 from proxy.errors import JSON, error_body, error_response
 from proxy.forward import Forwarder
 from proxy.health import Health
+from proxy.holders import Aborted, Holders, rids
 from proxy.metrics import CONTENT_TYPE, Metrics, register_adapt_metrics
 from proxy.policies import make_policy
 from proxy.routes import ADMITTED, Access
@@ -40,6 +41,7 @@ from proxy.settings import BackendSettings, Settings
 log = logging.getLogger("pipefill")
 
 OWN = frozenset({"/health", "/metrics", "/v1/models"})
+ABORT = "/abort_request"
 
 
 class _DirectLease:
@@ -74,6 +76,7 @@ class Proxy:
         self.health: Health | None = None
         self.scraper: Scraper | None = None
         self.forwarder: Forwarder | None = None
+        self.holders = Holders()  # which backend holds each request named by an SGLang rid
         self.draining = False
         self.active = 0  # requests being handled (a stream: until its end)
         self._idle: asyncio.Event | None = None  # set when active falls to 0 (wait_idle)
@@ -262,6 +265,7 @@ class Proxy:
                 rid,
             )
         body: bytes | None = None
+        obj: dict | None = None
         streamed = False
         seqs = 1
         if request.body_exists:
@@ -302,10 +306,13 @@ class Proxy:
             log.info(
                 "request %s %s %s body=%s", rid, method, path, body[:4096].decode(errors="replace")
             )
+        held = None
         if route.access is Access.ADMIN:
             named = request.headers.get(self.settings.server.backend_header)
             if named is not None and named not in self.pool:
                 return self._reject(404, "no backend of that name", "backend_not_found", label, rid)
+            if path == ABORT and named is None:
+                return await self._abort(request, body, target, rid)
             if route.fanout:
                 return await self.forwarder.fan_out(  # type: ignore[union-attr]
                     request,
@@ -323,29 +330,66 @@ class Proxy:
         elif route.admitted:
             priority = self._priority(request, key)
             size = len(body or b"")
+            names = rids(obj) if obj is not None else []
+            held = self.holders.track(names) if names else None
 
             def acquire(exclude: frozenset[str], recalled: bool = False) -> Any:
                 deadline = None
                 if recalled:  # its time in the backend's queue counts against the deadline
                     waited = time.monotonic() - t_arrive
                     deadline = self.admission.queue_deadline_s - waited
-                return self.admission.acquire(
+                acquiring = self.admission.acquire(
                     priority, exclude, deadline, front=recalled, size=size, seqs=seqs
                 )
+                if held is None:
+                    return acquiring
+                return self.holders.acquire(held, acquiring)
         else:
             acquire = self._direct_acquire
-        return await self.forwarder.forward(  # type: ignore[union-attr]
-            request,
-            body,
-            target=target,
-            route=label,
-            api=route.api,
-            streamed=streamed,
-            acquire=acquire,
-            request_id=rid,
-            t_arrive=t_arrive,
-            on_reject=self._admission_error,
+        try:
+            return await self.forwarder.forward(  # type: ignore[union-attr]
+                request,
+                body,
+                target=target,
+                route=label,
+                api=route.api,
+                streamed=streamed,
+                acquire=acquire,
+                request_id=rid,
+                t_arrive=t_arrive,
+                on_reject=self._admission_error,
+            )
+        finally:
+            if held is not None:
+                self.holders.forget(held)
+
+    async def _abort(
+        self, request: web.BaseRequest, body: bytes | None, target: str, rid: str
+    ) -> web.Response:
+        """``/abort_request``: a request the proxy tracks (by its ``rid``) is taken out of the
+        queue if it waits there, else the abort goes to the backend holding it alone; an
+        unknown rid, or ``abort_all``, goes to every backend (``abort_all`` also empties the
+        queue of tracked requests)."""
+        obj, _bad = _json_object(body or b"{}")
+        obj = obj or {}
+        held = None
+        if isinstance(obj.get("rid"), str) and not _truthy(obj.get("abort_all")):
+            held = self.holders.find(obj["rid"])
+        if held is not None and self.holders.abort_queued(held):
+            out = {"ok": True, "rid": obj["rid"], "cancelled_in_queue": True, "backends": {}}
+            return web.Response(
+                body=orjson.dumps(out), content_type=JSON, headers={self._rid_header: rid}
+            )
+        cancelled = self.holders.abort_all_queued() if _truthy(obj.get("abort_all")) else 0
+        backends = [b for b in self.pool.all() if not b.removing]
+        if held is not None and held.backend is not None:
+            backends = [b for b in backends if b.name == held.backend] or backends
+        resp = await self.forwarder.fan_out(  # type: ignore[union-attr]
+            request, body, target=target, backends=backends, request_id=rid
         )
+        if cancelled:
+            resp.headers["X-Pipefill-Cancelled-In-Queue"] = str(cancelled)
+        return resp
 
     async def _direct_acquire(
         self, exclude: frozenset[str], recalled: bool = False
@@ -387,6 +431,13 @@ class Proxy:
         if isinstance(e, QueueTimeout):
             self.metrics.rejections.labels("queue_timeout").inc()
             return error_response(503, "timed out waiting for a free backend slot", "queue_timeout")
+        if isinstance(e, Aborted):
+            self.metrics.rejections.labels("request_aborted").inc()
+            return error_response(
+                400,
+                "aborted (/abort_request) while waiting in the proxy's queue",
+                "request_aborted",
+            )
         if isinstance(e, NoHealthyBackend):
             self.metrics.rejections.labels("no_healthy_backend").inc()
             return error_response(503, "no healthy backend", "no_healthy_backend")
