@@ -27,6 +27,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from proxy import routes, sequences
 from proxy.admission import Admission, NoHealthyBackend, QueueBytesFull, QueueFull, QueueTimeout
+from proxy.affinity import CLOSE_SESSION, OPEN_SESSION, RESPONSES, Affinity
 from proxy.backends import Backend, BackendPool, State, default_limit_factory
 from proxy.errors import JSON, error_body, error_response
 from proxy.forward import Forwarder
@@ -42,6 +43,11 @@ log = logging.getLogger("pipefill")
 
 OWN = frozenset({"/health", "/metrics", "/v1/models"})
 ABORT = "/abort_request"
+#: routes whose answer (or body) says which backend now holds a response or session
+_LEARNS = frozenset({RESPONSES, OPEN_SESSION, CLOSE_SESSION})
+_RESPONSE_PREFIX = RESPONSES + "/"
+#: admin calls after which the backends' model lists are read again
+_ADAPTERS = frozenset({"/load_lora_adapter", "/unload_lora_adapter"})
 
 
 class _DirectLease:
@@ -77,6 +83,7 @@ class Proxy:
         self.scraper: Scraper | None = None
         self.forwarder: Forwarder | None = None
         self.holders = Holders()  # which backend holds each request named by an SGLang rid
+        self.affinity = Affinity()  # where responses, sessions and models live
         self.draining = False
         self.active = 0  # requests being handled (a stream: until its end)
         self._idle: asyncio.Event | None = None  # set when active falls to 0 (wait_idle)
@@ -307,6 +314,13 @@ class Proxy:
                 "request %s %s %s body=%s", rid, method, path, body[:4096].decode(errors="replace")
             )
         held = None
+        learns = path in _LEARNS  # answers that say where state was made
+        if learns and obj is None and body:
+            obj, _bad = _json_object(body)  # the backend answers a bad body itself
+        by_id = path.startswith(_RESPONSE_PREFIX)
+        pinned = self.affinity.pinned(path, obj) if obj is not None or by_id else None
+        if pinned is not None and pinned not in self.pool:
+            pinned = None  # gone, and its state with it: any backend answers
         if route.access is Access.ADMIN:
             named = request.headers.get(self.settings.server.backend_header)
             if named is not None and named not in self.pool:
@@ -314,15 +328,15 @@ class Proxy:
             if path == ABORT and named is None:
                 return await self._abort(request, body, target, rid)
             if route.fanout:
-                return await self.forwarder.fan_out(  # type: ignore[union-attr]
-                    request,
-                    body,
-                    target=target,
-                    backends=[
-                        b for b in self.pool.all() if not b.removing and named in (None, b.name)
-                    ],
-                    request_id=rid,
+                backends = [
+                    b for b in self.pool.all() if not b.removing and named in (None, b.name)
+                ]
+                answer = await self.forwarder.fan_out(  # type: ignore[union-attr]
+                    request, body, target=target, backends=backends, request_id=rid
                 )
+                if path in _ADAPTERS and self.health is not None:
+                    await self.health.refresh_models(backends)  # route to the adapter at once
+                return answer
             if named is not None:
                 acquire = self._named_acquire(named)
             else:
@@ -332,6 +346,12 @@ class Proxy:
             size = len(body or b"")
             names = rids(obj) if obj is not None else []
             held = self.holders.track(names) if names else None
+            allowed = {pinned} if pinned is not None else Affinity.serving(obj, self.pool.all())
+            elsewhere = (
+                frozenset(b.name for b in self.pool.all() if b.name not in allowed)
+                if allowed
+                else frozenset()
+            )
 
             def acquire(exclude: frozenset[str], recalled: bool = False) -> Any:
                 deadline = None
@@ -339,15 +359,17 @@ class Proxy:
                     waited = time.monotonic() - t_arrive
                     deadline = self.admission.queue_deadline_s - waited
                 acquiring = self.admission.acquire(
-                    priority, exclude, deadline, front=recalled, size=size, seqs=seqs
+                    priority, exclude | elsewhere, deadline, front=recalled, size=size, seqs=seqs
                 )
                 if held is None:
                     return acquiring
                 return self.holders.acquire(held, acquiring)
+        elif pinned is not None:
+            acquire = self._named_acquire(pinned)
         else:
             acquire = self._direct_acquire
         try:
-            return await self.forwarder.forward(  # type: ignore[union-attr]
+            resp = await self.forwarder.forward(  # type: ignore[union-attr]
                 request,
                 body,
                 target=target,
@@ -362,6 +384,12 @@ class Proxy:
         finally:
             if held is not None:
                 self.holders.forget(held)
+        if learns and 200 <= resp.status < 300:
+            served = resp.headers.get(self.settings.server.backend_header)
+            if served is not None:
+                whole = resp.body if isinstance(resp, web.Response) else None
+                self.affinity.learn(path, obj, whole if isinstance(whole, bytes) else None, served)
+        return resp
 
     async def _abort(
         self, request: web.BaseRequest, body: bytes | None, target: str, rid: str

@@ -97,6 +97,9 @@ OTHER: dict[str, Route] = {
     "/detokenize": _passed(POST),
     "/parse_function_call": _passed(POST),
     "/separate_reasoning": _passed(POST),
+    # sessions live on one server: sent to the one that opened them (proxy/affinity.py)
+    "/open_session": _passed(GET_POST),
+    "/close_session": _passed(GET_POST),
     # the server's whole configuration (server_args, including its --api-key): admin only
     "/get_server_info": _admin(GET),
     "/server_info": _admin(GET),

@@ -137,6 +137,12 @@ class HealthSettings(Section):
         3, ge=1, description="consecutive request failures that eject a backend"
     )
     eject_s: float = Field(10.0, gt=0, description="time ejected before a half-open probe")
+    models_refresh_s: float = Field(
+        30.0,
+        gt=0,
+        description="a healthy backend's /v1/models is read again this often (LoRA adapters "
+        "loaded later appear; also at once after an adapter load through the proxy)",
+    )
 
     @field_validator("path")
     @classmethod
