@@ -643,3 +643,45 @@ def test_cli_user_errors_are_one_line(tmp_path):
         )  # fmt: skip
         assert r.returncode != 0
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+# ---- when each route sends its headers (as SGLang's) ----------------------------------------
+
+
+async def test_native_generate_stream_sends_headers_at_once_and_errors_inside_the_stream():
+    async with running_sim("tp8", overrides={"max_total_tokens": 64}) as (url, _backend):
+        async with aiohttp.ClientSession(url) as s:
+            too_long = "word " * 200  # does not fit the 64-token KV pool
+            body = {"text": too_long, "stream": True, "sampling_params": {"max_new_tokens": 4}}
+            async with s.post("/generate", json=body) as r:
+                assert r.status == 200
+                events = sse_payloads(await r.read())
+            assert events[-1] == b"[DONE]" and "error" in orjson.loads(events[0])
+            body["stream"] = False
+            async with s.post("/generate", json=body) as r:
+                assert r.status == 400  # answered whole: an error status
+            chat = {"messages": [{"role": "user", "content": too_long}], "stream": True}
+            async with s.post(CHAT, json=chat) as r:
+                assert r.status == 400  # OpenAI routes: headers only with the first chunk
+
+
+async def test_a_queued_generate_stream_has_its_headers_a_queued_chat_stream_does_not():
+    async with running_sim("tp8", overrides={"max_running_requests": 1}) as (url, backend):
+        async with aiohttp.ClientSession(url) as s:
+            params = {"max_new_tokens": 3000, "ignore_eos": True}
+            first = {"text": "a", "stream": True, "sampling_params": params}
+            busy = await s.post("/generate", json=first)
+            await wait_until(lambda: running(backend) == 1)
+            gen = asyncio.create_task(
+                s.post("/generate", json={"text": "b", "stream": True, "sampling_params": params})
+            )
+            chat = asyncio.create_task(
+                s.post(CHAT, json={"messages": MSGS, "stream": True, "max_tokens": 5})
+            )
+            await wait_until(lambda: backend.engine.live_stats().num_queue_reqs == 2)
+            await wait_until(gen.done)  # headers while queued
+            assert (await gen).status == 200 and not chat.done()
+            busy.close()
+            (await gen).close()
+            async with await chat as r:  # once it runs, the chat stream's headers come
+                assert r.status == 200
