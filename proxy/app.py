@@ -29,6 +29,7 @@ from proxy import routes, sequences
 from proxy.admission import Admission, NoHealthyBackend, QueueBytesFull, QueueFull, QueueTimeout
 from proxy.affinity import CLOSE_SESSION, OPEN_SESSION, RESPONSES, Affinity
 from proxy.backends import Backend, BackendPool, State, default_limit_factory
+from proxy.discovery import Discovery, Resolver, system_resolver
 from proxy.errors import JSON, error_body, error_response
 from proxy.forward import Forwarder
 from proxy.health import Health
@@ -65,7 +66,7 @@ class _DirectLease:
 class Proxy:
     """State and request handling of one proxy instance (no sockets: see ProxyServer)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, resolver: Resolver = system_resolver) -> None:
         self.settings = settings
         srv = settings.server
         self.pool = BackendPool(lambda b: default_limit_factory(self.settings.backend_limits(b), b))
@@ -77,7 +78,11 @@ class Proxy:
         self.pool.listeners.append(lambda _b: self.admission.wake())
         register_adapt_metrics(self.metrics, self.pool.all, self.admission)
         for b in settings.backends:
-            self.pool.add(b)
+            if b.discover == "static":
+                self.pool.add(b)
+        self.discovery = Discovery(
+            self.pool, [b for b in settings.backends if b.discover == "dns"], resolver
+        )
         self.session: aiohttp.ClientSession | None = None
         self.health: Health | None = None
         self.scraper: Scraper | None = None
@@ -122,6 +127,10 @@ class Proxy:
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent",),
         )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(s.health.timeout_s):
+                await self.discovery.resolve_all()  # the first addresses, before serving
+        self.discovery.start()
         self.health = Health(self.pool, s.health, self.session, self.metrics)
         self.pool.listeners.append(lambda b: b is not None and self.health.kick())  # type: ignore[union-attr]
         self.forwarder = Forwarder(s, self.pool, self.health, self.metrics, self.session)
@@ -150,6 +159,7 @@ class Proxy:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        await self.discovery.close()
         if self.health is not None:
             await self.health.stop()
         await self.admission.close()
@@ -167,9 +177,12 @@ class Proxy:
     def reload_backends(self, backends: list[BackendSettings]) -> dict[str, list[str]]:
         """Make the pool match ``backends`` (SIGHUP): new ones are added, missing ones drain
         and leave when idle, changed ones are replaced. Streams in flight are not touched."""
-        wanted = {b.name: b for b in backends}
+        wanted = {b.name: b for b in backends if b.discover == "static"}
+        self.discovery.templates = [b for b in backends if b.discover == "dns"]
         added, removed, changed = [], [], []
         for name in self.pool.names():
+            if self.discovery.owns(name):
+                continue  # discovery's: it follows its templates on its next round
             current = self.pool.get(name)
             want = wanted.get(name)
             if want is None:
@@ -786,9 +799,9 @@ class _Server(web.Server):
 class ProxyServer:
     """A Proxy bound to a socket. ``await start()``, then ``await stop(grace)``."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, resolver: Resolver = system_resolver) -> None:
         self.settings = settings
-        self.proxy = Proxy(settings)
+        self.proxy = Proxy(settings, resolver=resolver)
         self._runner: web.ServerRunner | None = None
         self._stopped = False
         self.port: int | None = None

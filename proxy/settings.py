@@ -164,6 +164,15 @@ class BackendSettings(Section):
     )
     api_key: str | None = Field(None, description="Bearer key the backend expects")
     limits: dict[str, Any] = Field(default_factory=dict, description="overrides of [limits]")
+    discover: Literal["static", "dns"] = Field(
+        "static",
+        description='"dns": one backend per address the URL\'s host resolves to (e.g. a '
+        "Kubernetes headless Service), named name@address, resolved again every "
+        "discover_interval_s; addresses that leave are drained",
+    )
+    discover_interval_s: float = Field(
+        10.0, gt=0, description="seconds between DNS resolutions (discover = dns)"
+    )
 
     @field_validator("url")
     @classmethod
