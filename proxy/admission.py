@@ -14,6 +14,12 @@ their class (``interactive`` before ``batch``), bounded in number and in time:
 - no routable backend (or all excluded) -> :class:`NoHealthyBackend` (503),
 - the client went away (the awaiting task is cancelled) -> the waiter leaves the queue at once.
 
+A request of N sequences (a batch, ``n`` > 1: proxy/sequences.py) takes N slots
+(``acquire(seqs=N)``): it binds only to a backend with N free slots, or to an idle one (a batch
+larger than a backend's whole limit takes all of it, never more). While it waits at the head of
+its class nothing behind it in that class or a lower one is handed a slot, so single requests
+cannot starve it; the slots free up for it as requests end.
+
 Every rejection is counted by reason. ``lease.release()`` is idempotent; it frees the slot and
 hands it to the next waiter. ``admission.wake()`` re-runs dispatch after backends, health or
 limits changed. After every release, and from a background task (``start()``) when traffic is
@@ -105,17 +111,23 @@ class NoHealthyBackend(AdmissionError):
 
 
 class Lease:
-    """One admitted request's slot on ``backend``. ``release()`` is idempotent."""
+    """One admitted request's ``slots`` on ``backend``. ``release()`` is idempotent."""
 
-    __slots__ = ("_admission", "_released", "backend", "priority", "waited_s")
+    __slots__ = ("_admission", "_released", "backend", "priority", "slots", "waited_s")
 
     def __init__(
-        self, admission: Admission, backend: Any, priority: Priority, waited_s: float
+        self,
+        admission: Admission,
+        backend: Any,
+        priority: Priority,
+        waited_s: float,
+        slots: int = 1,
     ) -> None:
         self._admission = admission
         self.backend = backend
         self.priority = priority
         self.waited_s = waited_s
+        self.slots = slots
         self._released = False
 
     @property
@@ -126,7 +138,7 @@ class Lease:
         if self._released:
             return
         self._released = True
-        self._admission._release(self.backend)
+        self._admission._release(self.backend, self.slots)
 
     def __enter__(self) -> Lease:
         return self
@@ -136,7 +148,7 @@ class Lease:
 
 
 class _Waiter:
-    __slots__ = ("enqueued", "exclude", "fut", "priority", "size", "timer")
+    __slots__ = ("enqueued", "exclude", "fut", "priority", "seqs", "size", "timer")
 
     def __init__(
         self,
@@ -145,12 +157,14 @@ class _Waiter:
         exclude: frozenset[str],
         now: float,
         size: int = 0,
+        seqs: int = 1,
     ) -> None:
         self.fut = fut
         self.priority = priority
         self.exclude = exclude
         self.enqueued = now
         self.size = size
+        self.seqs = seqs
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -224,13 +238,15 @@ class Admission:
         *,
         front: bool = False,
         size: int = 0,
+        seqs: int = 1,
     ) -> Lease:
         """Wait for a slot and bind a backend. ``deadline``: longest wait in seconds (default
         the queue's ``deadline_s``). ``exclude``: backend names not to use (retries).
         ``front``: a request recalled from a backend's queue: it waits first in its class and
         is never refused for a full queue (it was admitted once already); its caller passes
         what is left of its deadline. ``size``: the request body's bytes, held while it waits
-        (a recalled request's count but never refuse it)."""
+        (a recalled request's count but never refuse it). ``seqs``: the sequences it runs, the
+        slots it takes (see the module docstring)."""
         if priority not in self._queues:
             priority = "interactive"
         exclude = frozenset(exclude)
@@ -240,8 +256,9 @@ class Admission:
         if not any(self._usable(b, exclude) for b in backends):
             self._reject("no_healthy_backend")
             raise NoHealthyBackend()
+        seqs = max(int(seqs), 1)
         if front or not self._ahead(priority):
-            lease = self._bind(backends, exclude, priority, 0.0)
+            lease = self._bind(backends, exclude, priority, 0.0, seqs)
             if lease is not None:
                 return lease
         if self.depth >= self.max_queue and not front:
@@ -250,7 +267,7 @@ class Admission:
         if self.max_queued_bytes and not front and self.queued_bytes + size > self.max_queued_bytes:
             self._reject("queue_bytes_full")
             raise QueueBytesFull(self.retry_after())
-        return await self._wait(priority, exclude, now, deadline, front, size)
+        return await self._wait(priority, exclude, now, deadline, front, size, seqs)
 
     async def _wait(
         self,
@@ -260,9 +277,10 @@ class Admission:
         deadline: float | None,
         front: bool = False,
         size: int = 0,
+        seqs: int = 1,
     ) -> Lease:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), priority, exclude, now, size)
+        waiter = _Waiter(loop.create_future(), priority, exclude, now, size, seqs)
         self.queued_bytes += size
         self._seq += 1
         key = self._seq
@@ -396,21 +414,35 @@ class Admission:
                 return False
         return False
 
+    def _fits(self, b: Any, seqs: int) -> bool:
+        """Room for ``seqs`` slots: that many free, or (a batch larger than the limit) idle."""
+        cap = self._cap(b)
+        return b.in_flight + seqs <= cap or (b.in_flight == 0 and cap > 0)
+
     def _bind(
-        self, backends: list[Any], exclude: frozenset[str], priority: Priority, waited: float
+        self,
+        backends: list[Any],
+        exclude: frozenset[str],
+        priority: Priority,
+        waited: float,
+        seqs: int = 1,
     ) -> Lease | None:
-        cands = [b for b in backends if self._usable(b, exclude) and b.in_flight < self._cap(b)]
+        if seqs == 1:
+            cands = [b for b in backends if self._usable(b, exclude) and b.in_flight < self._cap(b)]
+        else:
+            cands = [b for b in backends if self._usable(b, exclude) and self._fits(b, seqs)]
         if not cands:
             return None
         b = self.policy.pick(cands) if len(cands) > 1 else cands[0]
+        slots = min(seqs, max(self._cap(b), 1))  # never more than the whole limit
         # No await between the pick and this increment.
-        b.in_flight += 1
+        b.in_flight += slots
         b.stats.observe_in_flight(b.in_flight, b.limit.limit)
         self.admitted[priority] += 1
-        return Lease(self, b, priority, waited)
+        return Lease(self, b, priority, waited, slots)
 
-    def _release(self, b: Any) -> None:
-        b.in_flight = max(0, b.in_flight - 1)
+    def _release(self, b: Any, slots: int = 1) -> None:
+        b.in_flight = max(0, b.in_flight - slots)
         b.stats.observe_in_flight(b.in_flight, b.limit.limit)
         backends = self._backends()
         now = self._clock()
@@ -445,8 +477,10 @@ class Admission:
                 ):
                     return  # no free slot anywhere: nothing more to hand out
                 waited = now - w.enqueued
-                lease = self._bind(backends, w.exclude, p, waited)
+                lease = self._bind(backends, w.exclude, p, waited, w.seqs)
                 if lease is None:
+                    if w.seqs > 1:
+                        return  # a batch at the head waits for its slots: nobody jumps it
                     continue  # this waiter's allowed backends are full; a later one may fit
                 q.pop(key, None)
                 self._observe_wait(p, waited, "admitted")

@@ -25,12 +25,15 @@ import orjson
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
-from proxy import routes
+from proxy import routes, sequences
 from proxy.admission import Admission, NoHealthyBackend, QueueBytesFull, QueueFull, QueueTimeout
+from proxy.affinity import CLOSE_SESSION, OPEN_SESSION, RESPONSES, Affinity
 from proxy.backends import Backend, BackendPool, State, default_limit_factory
+from proxy.discovery import Discovery, Resolver, system_resolver
 from proxy.errors import JSON, error_body, error_response
 from proxy.forward import Forwarder
 from proxy.health import Health
+from proxy.holders import Aborted, Holders, rids
 from proxy.metrics import CONTENT_TYPE, Metrics, register_adapt_metrics
 from proxy.policies import make_policy
 from proxy.routes import ADMITTED, Access
@@ -40,6 +43,12 @@ from proxy.settings import BackendSettings, Settings
 log = logging.getLogger("pipefill")
 
 OWN = frozenset({"/health", "/metrics", "/v1/models"})
+ABORT = "/abort_request"
+#: routes whose answer (or body) says which backend now holds a response or session
+_LEARNS = frozenset({RESPONSES, OPEN_SESSION, CLOSE_SESSION})
+_RESPONSE_PREFIX = RESPONSES + "/"
+#: admin calls after which the backends' model lists are read again
+_ADAPTERS = frozenset({"/load_lora_adapter", "/unload_lora_adapter"})
 
 
 class _DirectLease:
@@ -57,7 +66,7 @@ class _DirectLease:
 class Proxy:
     """State and request handling of one proxy instance (no sockets: see ProxyServer)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, resolver: Resolver = system_resolver) -> None:
         self.settings = settings
         srv = settings.server
         self.pool = BackendPool(lambda b: default_limit_factory(self.settings.backend_limits(b), b))
@@ -69,11 +78,17 @@ class Proxy:
         self.pool.listeners.append(lambda _b: self.admission.wake())
         register_adapt_metrics(self.metrics, self.pool.all, self.admission)
         for b in settings.backends:
-            self.pool.add(b)
+            if b.discover == "static":
+                self.pool.add(b)
+        self.discovery = Discovery(
+            self.pool, [b for b in settings.backends if b.discover == "dns"], resolver
+        )
         self.session: aiohttp.ClientSession | None = None
         self.health: Health | None = None
         self.scraper: Scraper | None = None
         self.forwarder: Forwarder | None = None
+        self.holders = Holders()  # which backend holds each request named by an SGLang rid
+        self.affinity = Affinity()  # where responses, sessions and models live
         self.draining = False
         self.active = 0  # requests being handled (a stream: until its end)
         self._idle: asyncio.Event | None = None  # set when active falls to 0 (wait_idle)
@@ -112,6 +127,10 @@ class Proxy:
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent",),
         )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(s.health.timeout_s):
+                await self.discovery.resolve_all()  # the first addresses, before serving
+        self.discovery.start()
         self.health = Health(self.pool, s.health, self.session, self.metrics)
         self.pool.listeners.append(lambda b: b is not None and self.health.kick())  # type: ignore[union-attr]
         self.forwarder = Forwarder(s, self.pool, self.health, self.metrics, self.session)
@@ -140,6 +159,7 @@ class Proxy:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        await self.discovery.close()
         if self.health is not None:
             await self.health.stop()
         await self.admission.close()
@@ -157,9 +177,12 @@ class Proxy:
     def reload_backends(self, backends: list[BackendSettings]) -> dict[str, list[str]]:
         """Make the pool match ``backends`` (SIGHUP): new ones are added, missing ones drain
         and leave when idle, changed ones are replaced. Streams in flight are not touched."""
-        wanted = {b.name: b for b in backends}
+        wanted = {b.name: b for b in backends if b.discover == "static"}
+        self.discovery.templates = [b for b in backends if b.discover == "dns"]
         added, removed, changed = [], [], []
         for name in self.pool.names():
+            if self.discovery.owns(name):
+                continue  # discovery's: it follows its templates on its next round
             current = self.pool.get(name)
             want = wanted.get(name)
             if want is None:
@@ -262,7 +285,9 @@ class Proxy:
                 rid,
             )
         body: bytes | None = None
+        obj: dict | None = None
         streamed = False
+        seqs = 1
         if request.body_exists:
             length = request.content_length
             if length is not None and length > self._max_body:
@@ -287,7 +312,12 @@ class Proxy:
                 obj, bad = _json_object(body)
                 if obj is None:
                     return self._reject(400, str(bad), "invalid_json", label, rid)
-                streamed = route.api is not None and _truthy(obj.get("stream"))
+                streamed = (
+                    route.api is not None
+                    and route.streamable
+                    and _truthy(obj.get("stream", route.stream_default))
+                )
+                seqs = sequences.count(route.body, obj)
         if route.admitted and not body:
             return self._reject(
                 400, "request body must be a JSON object", "invalid_json", label, rid
@@ -296,20 +326,30 @@ class Proxy:
             log.info(
                 "request %s %s %s body=%s", rid, method, path, body[:4096].decode(errors="replace")
             )
+        held = None
+        learns = path in _LEARNS  # answers that say where state was made
+        if learns and obj is None and body:
+            obj, _bad = _json_object(body)  # the backend answers a bad body itself
+        by_id = path.startswith(_RESPONSE_PREFIX)
+        pinned = self.affinity.pinned(path, obj) if obj is not None or by_id else None
+        if pinned is not None and pinned not in self.pool:
+            pinned = None  # gone, and its state with it: any backend answers
         if route.access is Access.ADMIN:
             named = request.headers.get(self.settings.server.backend_header)
             if named is not None and named not in self.pool:
                 return self._reject(404, "no backend of that name", "backend_not_found", label, rid)
+            if path == ABORT and named is None:
+                return await self._abort(request, body, target, rid)
             if route.fanout:
-                return await self.forwarder.fan_out(  # type: ignore[union-attr]
-                    request,
-                    body,
-                    target=target,
-                    backends=[
-                        b for b in self.pool.all() if not b.removing and named in (None, b.name)
-                    ],
-                    request_id=rid,
+                backends = [
+                    b for b in self.pool.all() if not b.removing and named in (None, b.name)
+                ]
+                answer = await self.forwarder.fan_out(  # type: ignore[union-attr]
+                    request, body, target=target, backends=backends, request_id=rid
                 )
+                if path in _ADAPTERS and self.health is not None:
+                    await self.health.refresh_models(backends)  # route to the adapter at once
+                return answer
             if named is not None:
                 acquire = self._named_acquire(named)
             else:
@@ -317,29 +357,80 @@ class Proxy:
         elif route.admitted:
             priority = self._priority(request, key)
             size = len(body or b"")
+            names = rids(obj) if obj is not None else []
+            held = self.holders.track(names) if names else None
+            allowed = {pinned} if pinned is not None else Affinity.serving(obj, self.pool.all())
+            elsewhere = (
+                frozenset(b.name for b in self.pool.all() if b.name not in allowed)
+                if allowed
+                else frozenset()
+            )
 
             def acquire(exclude: frozenset[str], recalled: bool = False) -> Any:
                 deadline = None
                 if recalled:  # its time in the backend's queue counts against the deadline
                     waited = time.monotonic() - t_arrive
                     deadline = self.admission.queue_deadline_s - waited
-                return self.admission.acquire(
-                    priority, exclude, deadline, front=recalled, size=size
+                acquiring = self.admission.acquire(
+                    priority, exclude | elsewhere, deadline, front=recalled, size=size, seqs=seqs
                 )
+                if held is None:
+                    return acquiring
+                return self.holders.acquire(held, acquiring)
+        elif pinned is not None:
+            acquire = self._named_acquire(pinned)
         else:
             acquire = self._direct_acquire
-        return await self.forwarder.forward(  # type: ignore[union-attr]
-            request,
-            body,
-            target=target,
-            route=label,
-            api=route.api,
-            streamed=streamed,
-            acquire=acquire,
-            request_id=rid,
-            t_arrive=t_arrive,
-            on_reject=self._admission_error,
+        try:
+            resp = await self.forwarder.forward(  # type: ignore[union-attr]
+                request,
+                body,
+                target=target,
+                route=label,
+                api=route.api,
+                streamed=streamed,
+                acquire=acquire,
+                request_id=rid,
+                t_arrive=t_arrive,
+                on_reject=self._admission_error,
+            )
+        finally:
+            if held is not None:
+                self.holders.forget(held)
+        if learns and 200 <= resp.status < 300:
+            served = resp.headers.get(self.settings.server.backend_header)
+            if served is not None:
+                whole = resp.body if isinstance(resp, web.Response) else None
+                self.affinity.learn(path, obj, whole if isinstance(whole, bytes) else None, served)
+        return resp
+
+    async def _abort(
+        self, request: web.BaseRequest, body: bytes | None, target: str, rid: str
+    ) -> web.Response:
+        """``/abort_request``: a request the proxy tracks (by its ``rid``) is taken out of the
+        queue if it waits there, else the abort goes to the backend holding it alone; an
+        unknown rid, or ``abort_all``, goes to every backend (``abort_all`` also empties the
+        queue of tracked requests)."""
+        obj, _bad = _json_object(body or b"{}")
+        obj = obj or {}
+        held = None
+        if isinstance(obj.get("rid"), str) and not _truthy(obj.get("abort_all")):
+            held = self.holders.find(obj["rid"])
+        if held is not None and self.holders.abort_queued(held):
+            out = {"ok": True, "rid": obj["rid"], "cancelled_in_queue": True, "backends": {}}
+            return web.Response(
+                body=orjson.dumps(out), content_type=JSON, headers={self._rid_header: rid}
+            )
+        cancelled = self.holders.abort_all_queued() if _truthy(obj.get("abort_all")) else 0
+        backends = [b for b in self.pool.all() if not b.removing]
+        if held is not None and held.backend is not None:
+            backends = [b for b in backends if b.name == held.backend] or backends
+        resp = await self.forwarder.fan_out(  # type: ignore[union-attr]
+            request, body, target=target, backends=backends, request_id=rid
         )
+        if cancelled:
+            resp.headers["X-Pipefill-Cancelled-In-Queue"] = str(cancelled)
+        return resp
 
     async def _direct_acquire(
         self, exclude: frozenset[str], recalled: bool = False
@@ -381,6 +472,13 @@ class Proxy:
         if isinstance(e, QueueTimeout):
             self.metrics.rejections.labels("queue_timeout").inc()
             return error_response(503, "timed out waiting for a free backend slot", "queue_timeout")
+        if isinstance(e, Aborted):
+            self.metrics.rejections.labels("request_aborted").inc()
+            return error_response(
+                400,
+                "aborted (/abort_request) while waiting in the proxy's queue",
+                "request_aborted",
+            )
         if isinstance(e, NoHealthyBackend):
             self.metrics.rejections.labels("no_healthy_backend").inc()
             return error_response(503, "no healthy backend", "no_healthy_backend")
@@ -701,9 +799,9 @@ class _Server(web.Server):
 class ProxyServer:
     """A Proxy bound to a socket. ``await start()``, then ``await stop(grace)``."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, resolver: Resolver = system_resolver) -> None:
         self.settings = settings
-        self.proxy = Proxy(settings)
+        self.proxy = Proxy(settings, resolver=resolver)
         self._runner: web.ServerRunner | None = None
         self._stopped = False
         self.port: int | None = None

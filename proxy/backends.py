@@ -38,6 +38,7 @@ class Backend:
         "last_check_error",
         "limit",
         "models",
+        "models_at",
         "name",
         "parallelism",
         "pp_size",
@@ -72,6 +73,7 @@ class Backend:
         self.fresh = True  # never unhealthy yet
         self.last_check_error: str | None = None
         self.models: list[dict] = []
+        self.models_at = 0.0  # monotonic time /v1/models was last read
 
     @property
     def routable(self) -> bool:

@@ -62,3 +62,9 @@ def sse_error(message: str, *, status: int, code: str, type_: str | None = None)
     """The closing bytes of a stream that failed after it started: an error event, then DONE."""
     body = error_body(message, status=status, code=code, type_=type_)
     return b"data: " + body + b"\n\ndata: [DONE]\n\n"
+
+
+def ndjson_error(message: str, *, status: int, code: str, type_: str | None = None) -> bytes:
+    """The closing line of a newline-delimited JSON stream (the Ollama routes) that failed after
+    it started: the error object on a line of its own, which an Ollama client reports."""
+    return error_body(message, status=status, code=code, type_=type_) + b"\n"

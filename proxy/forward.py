@@ -32,11 +32,11 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from proxy.backends import Backend, BackendPool
-from proxy.errors import JSON, error_object, error_response, sse_error
+from proxy.errors import JSON, error_object, error_response, ndjson_error, sse_error
 from proxy.health import Health
 from proxy.metrics import Metrics
 from proxy.settings import Settings
-from proxy.sse import Api, SSEFramer, TokenCounter
+from proxy.sse import NDJSON_APIS, Api, TokenCounter, body_tokens, framer_for
 
 log = logging.getLogger("pipefill.forward")
 
@@ -57,6 +57,8 @@ HOP_BY_HOP = frozenset(
         "expect",
     }
 )
+#: response types relayed as a stream whose events are peeked at (SSE; the Ollama routes' NDJSON)
+_STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
 _STALE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 #: request Content-Encodings aiohttp's server decodes before the handler reads the body
 DECODED = frozenset({"gzip", "deflate", "br", "zstd"})
@@ -472,7 +474,7 @@ class Forwarder:
             if resp.status < 500:
                 b.stats.observe_first_byte()
             ctype = resp.headers.get("Content-Type", "")
-            if ctype.startswith("text/event-stream"):
+            if ctype.startswith(_STREAM_TYPES):
                 return await self._stream(
                     request, resp, b, api, route, request_id, t_arrive, pending, deadline
                 )
@@ -631,7 +633,7 @@ class Forwarder:
         """A whole non-streamed answer arrived: its usage (from ``body``, when given), health
         and stats."""
         now = time.monotonic() if now is None else now
-        tokens = _usage_tokens(body) if body is not None else None
+        tokens = body_tokens(body) if body is not None else None
         if tokens:
             bm.tokens.inc(tokens)
             b.stats.observe_tokens(tokens, now)
@@ -678,7 +680,9 @@ class Forwarder:
         headers[self._backend_header] = b.name
         headers[self._rid_header] = request_id
         out = web.StreamResponse(status=resp.status, headers=headers)
-        framer = SSEFramer(self.settings.upstream.max_event_bytes) if api is not None else None
+        framer = (
+            framer_for(api, self.settings.upstream.max_event_bytes) if api is not None else None
+        )
         self._relays.add(wd)
         counter = TokenCounter(api) if api is not None else None
         observe = counter.observe if counter is not None else None
@@ -745,9 +749,16 @@ class Forwarder:
             code = "upstream_timeout" if failure.endswith("timeout") else "upstream_error"
             status = 504 if failure.endswith("timeout") else 502
         if failure is not None:
-            tail = b"\n\n" if framer is not None and framer.pending else b""
+            closing = ndjson_error if api in NDJSON_APIS else sse_error
+            tail = (
+                b""
+                if framer is None or not framer.pending
+                else b"\n"
+                if closing is ndjson_error
+                else b"\n\n"
+            )
             await _last_write(
-                request, stall, out.write(tail + sse_error(message, status=status, code=code))
+                request, stall, out.write(tail + closing(message, status=status, code=code))
             )
         else:
             self.health.record_success(b)
@@ -876,26 +887,6 @@ def _fanout_body(data: bytes, ctype: str) -> dict[str, Any]:
     if truncated:
         out["truncated"] = True
     return out
-
-
-def _usage_tokens(data: bytes) -> int | None:
-    """completion_tokens of a non-streamed OpenAI or /generate response, if it says."""
-    if not data or data[:1] not in (b"{", b"["):
-        return None
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    items = obj if isinstance(obj, list) else [obj]
-    total = 0
-    for item in items:
-        if not isinstance(item, dict):
-            continue
-        usage = item.get("usage") or item.get("meta_info") or {}
-        n = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        if isinstance(n, int):
-            total += n
-    return total or None
 
 
 __all__ = ["JSON", "Failure", "Forwarder", "Lease"]

@@ -97,7 +97,9 @@ class Health:
                 b.fresh or b.check_successes >= self.settings.healthy_threshold
             ):
                 self._set(b, State.HEALTHY, "checks passed")
-            if b.state is State.HEALTHY and not b.models:
+            if b.state is State.HEALTHY and (
+                not b.models or time.monotonic() - b.models_at >= self.settings.models_refresh_s
+            ):
                 await self._fetch_models(b)
         else:
             b.last_check_error = error
@@ -124,7 +126,12 @@ class Health:
         except OSError as e:
             return False, type(e).__name__
 
+    async def refresh_models(self, backends: list[Backend]) -> None:
+        """Read these backends' /v1/models now (after an adapter was loaded or unloaded)."""
+        await asyncio.gather(*(self._fetch_models(b) for b in backends))
+
     async def _fetch_models(self, b: Backend) -> None:
+        b.models_at = time.monotonic()
         try:
             async with self.session.get(
                 b.url + "/v1/models", timeout=self._timeout, headers=_auth(b)

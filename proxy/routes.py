@@ -1,8 +1,10 @@
 """Which SGLang routes the proxy forwards, and how: an allow-list, checked against SGLang's
 ``http_server.py`` (see docs/proxy.md, "Security model").
 
-- **admitted**: inference. The body must be a JSON object; the request waits in the proxy's
-  queue for a backend slot (proxy/admission.py) and its stream is peeked at for tokens.
+- **admitted**: inference, every route SGLang generates (or embeds, scores) on. The body must be
+  a JSON object; the request waits in the proxy's queue for as many backend slots as it has
+  sequences (proxy/sequences.py) and its stream is peeked at for tokens in its own format
+  (proxy/sse.py: OpenAI, native, Anthropic, Responses, Ollama's NDJSON).
 - **passed**: read-only information and cheap CPU-side helpers (model info, tokenize). A client
   key opens them (when keys are set); they go to one healthy backend and hold no slot.
 - **admin**: what changes or exposes a server (cache, weights, profiling, adapters, pausing,
@@ -18,6 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from proxy.sequences import Body
 from proxy.sse import Api
 
 
@@ -33,6 +36,9 @@ class Route:
     methods: frozenset[str]
     access: Access = Access.ADMITTED
     fanout: bool = False  # admin: sent to every backend, answered per backend
+    body: Body = "single"  # admitted: how its sequences are counted
+    stream_default: bool = False  # admitted: streamed when the body says nothing (Ollama's)
+    streamable: bool = True  # admitted: False where SGLang answers whole whatever "stream" says
 
     @property
     def admitted(self) -> bool:
@@ -55,18 +61,22 @@ def _admin(methods: frozenset[str], *, fanout: bool = False) -> Route:
 
 #: Inference: through the queue and the limits.
 ADMITTED: dict[str, Route] = {
-    "/v1/chat/completions": Route("chat", POST),
-    "/v1/completions": Route("completions", POST),
-    "/generate": Route("generate", POST_PUT),
-    "/v1/embeddings": Route(None, POST),
+    "/v1/chat/completions": Route("chat", POST, body="chat"),
+    "/v1/completions": Route("completions", POST, body="completions"),
+    "/generate": Route("generate", POST_PUT, body="generate"),
+    "/v1/messages": Route("messages", POST),  # Anthropic Messages
+    "/v1/responses": Route("responses", POST),  # OpenAI Responses (state kept on the server)
+    "/api/chat": Route("ollama_chat", POST, stream_default=True),  # Ollama: streams by default
+    "/api/generate": Route("ollama_generate", POST, stream_default=True),
+    "/invocations": Route("chat", POST, body="chat"),  # SageMaker: a chat completion
+    # Vertex AI: one /generate output per instance under "predictions", always answered whole
+    "/vertex_generate": Route("generate", POST, body="vertex", streamable=False),
+    "/v1/embeddings": Route(None, POST, body="embeddings"),
     "/v1/rerank": Route(None, POST_PUT),
     "/v1/score": Route(None, POST),
     "/v1/classify": Route(None, POST),
-    "/v1/responses": Route(None, POST),
     "/encode": Route(None, POST_PUT),
     "/classify": Route(None, POST_PUT),
-    "/invocations": Route("chat", POST),
-    "/vertex_generate": Route(None, POST),
 }
 
 #: Everything else the proxy forwards, by exact path.
@@ -87,6 +97,9 @@ OTHER: dict[str, Route] = {
     "/detokenize": _passed(POST),
     "/parse_function_call": _passed(POST),
     "/separate_reasoning": _passed(POST),
+    # sessions live on one server: sent to the one that opened them (proxy/affinity.py)
+    "/open_session": _passed(GET_POST),
+    "/close_session": _passed(GET_POST),
     # the server's whole configuration (server_args, including its --api-key): admin only
     "/get_server_info": _admin(GET),
     "/server_info": _admin(GET),

@@ -2,20 +2,29 @@
 
 Every ``interval_s`` each backend's ``/metrics`` is fetched and reduced to four numbers, landed in
 ``backend.stats.observe_scrape`` (and once, and after each restart, ``/server_info``'s
-``max_running_requests``: the most requests the server says it runs at once):
+``max_running_requests``: the most requests the server says it runs at once).
 
-- ``sglang:num_queue_reqs`` and ``sglang:num_running_reqs``: summed over ranks (dp/pp); of
-  series labelled ``tp_rank``/``attn_tp_rank``/``moe_ep_rank`` only rank "0" counts, since with
-  ``--enable-metrics-for-all-schedulers`` every TP rank repeats the same scheduler state;
-- ``sglang:token_usage``: the fullest rank (each DP rank has its own KV pool, so a sum of
-  fractions would mean nothing);
+How the series are combined follows SGLang's metrics collector (the label sets its schedulers
+write, see docs/limits-and-routing.md):
+
+- a series with a ``pid`` label is a per-process value (a gauge in prometheus-client's "all"
+  multiprocess mode, e.g. ``sglang:num_retracted_reqs``), not the server's state: skipped;
+- with ``--enable-priority-scheduling`` the running/queue gauges are written as a total under
+  ``priority=""`` and again per priority: only the total (or a series without the label) counts;
+- every pipeline stage writes the same requests: only ``pp_rank="0"`` counts;
+- each DP rank (``dp_rank``; with DP attention ``tp_rank`` and ``moe_ep_rank`` equal it) has its
+  own scheduler: ranks are summed. Within one DP rank, the copies that
+  ``--enable-metrics-for-all-schedulers`` adds for the other TP ranks repeat the same state: the
+  lowest rank is kept;
+- ``sglang:token_usage`` is a ratio of one rank's KV pool: the fullest rank, never a sum;
 - ``sglang:generation_tokens_total``: summed; when it goes backwards the backend restarted;
 - ``sglang:num_retracted_requests_total``: summed; running requests SGLang pushed back to its
   queue because its KV pool ran out (it admitted more than the pool holds).
 
-With ``use_get_load`` the queue and running counts come from ``/get_load`` instead (fresher: it
-asks the scheduler, while SGLang's gauges refresh only every 40 decode steps and keep their value
-when idle). A scrape that fails or times out leaves the last values in place and ages them;
+With ``use_loads`` the queue and running counts come from the server's load report instead
+(fresher: it asks the scheduler, while SGLang's gauges refresh only every 40 decode steps and keep
+their value when idle): ``/v1/loads``, or the deprecated ``/get_load`` on a server without it. A
+scrape that fails or times out leaves the last values in place and ages them;
 :class:`proxy.stats.BackendStats` counts a backend whose last success is older than
 ``stale_after_intervals`` intervals as saturated.
 """
@@ -32,13 +41,16 @@ from typing import Any
 
 import aiohttp
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 log = logging.getLogger("proxy.scrape")
 
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-_RANK_LABELS = ("tp_rank", "attn_tp_rank", "moe_ep_rank")
+#: labels of the TP ranks that repeat one DP rank's scheduler state (the lowest is kept)
+_REPEAT_LABELS = ("attn_tp_rank", "tp_rank", "moe_ep_rank")
+#: gauges that are a ratio of one rank's pool: the fullest rank is taken, never a sum
+_RATIOS = frozenset({"sglang:token_usage"})
 WANTED = (
     "sglang:num_queue_reqs",
     "sglang:num_running_reqs",
@@ -67,12 +79,19 @@ class ScrapeSettings(BaseModel):
         "timeout) = saturated",
     )
     path: str = Field("/metrics", description="the backend's Prometheus endpoint")
-    use_get_load: bool = Field(False, description="queue/running counts from /get_load")
+    use_loads: bool = Field(
+        False,
+        validation_alias=AliasChoices("use_loads", "use_get_load"),
+        description="queue/running counts from /v1/loads (or /get_load on older SGLang); "
+        "use_get_load is an older name for it",
+    )
 
 
 def parse_metrics(text: str) -> dict[str, float | None]:
-    """Reduce a Prometheus text page to the four numbers we use (None when absent)."""
-    sums: dict[str, float] = {}
+    """Reduce a Prometheus text page to the numbers we use (None when absent), combining the
+    series as the module docstring says."""
+    # (name, dp_rank) -> (repeat rank, value): one value per DP rank, its lowest TP rank's
+    kept: dict[tuple[str, str], tuple[tuple[int, ...], float]] = {}
     for line in text.splitlines():
         if not line.startswith("sglang:"):
             continue
@@ -83,7 +102,7 @@ def parse_metrics(text: str) -> dict[str, float | None]:
         if name not in WANTED:
             continue
         labels = dict(_LABEL.findall(m.group(3) or ""))
-        if any(labels.get(k, "0") != "0" for k in _RANK_LABELS):
+        if "pid" in labels or labels.get("priority", "") or labels.get("pp_rank", "0") != "0":
             continue
         try:
             value = float(m.group(4))
@@ -91,7 +110,16 @@ def parse_metrics(text: str) -> dict[str, float | None]:
             continue
         if value != value:  # NaN
             continue
-        if name == "sglang:token_usage":
+        rank = _repeat_rank(labels)
+        if rank is None:
+            continue
+        key = (name, labels.get("dp_rank", ""))
+        seen = kept.get(key)
+        if seen is None or rank < seen[0]:
+            kept[key] = (rank, value)
+    sums: dict[str, float] = {}
+    for (name, _dp), (_rank, value) in kept.items():
+        if name in _RATIOS:
             sums[name] = max(sums.get(name, 0.0), value)
         else:
             sums[name] = sums.get(name, 0.0) + value
@@ -104,6 +132,15 @@ def parse_metrics(text: str) -> dict[str, float | None]:
     }
 
 
+def _repeat_rank(labels: dict[str, str]) -> tuple[int, ...] | None:
+    """Where a series stands among the TP ranks repeating one DP rank (lower is kept); None
+    for a rank label that is not a number."""
+    try:
+        return tuple(int(labels.get(k) or 0) for k in _REPEAT_LABELS)
+    except ValueError:
+        return None
+
+
 def parse_server_info(body: bytes) -> int | None:
     """``/server_info``'s ``max_running_requests`` (SGLang's server arguments: the most requests
     it runs at once; None when unset or not a positive whole number)."""
@@ -114,18 +151,40 @@ def parse_server_info(body: bytes) -> int | None:
     return None
 
 
-def parse_get_load(body: bytes) -> dict[str, float | None]:
-    """``/get_load``: one row per DP rank with num_reqs (running + waiting), num_waiting_reqs."""
+def parse_loads(body: bytes) -> dict[str, float | None]:
+    """``/v1/loads`` (``{"loads": [{dp_rank, num_running_reqs, num_waiting_reqs, token_usage,
+    ...}]}``) or the older ``/get_load`` (one row per DP rank with ``num_reqs`` = running +
+    waiting, and ``num_waiting_reqs``): queue and running summed over DP ranks, and
+    ``token_usage`` (the fullest rank) when the report has it."""
     rows = orjson.loads(body)
     if isinstance(rows, dict):
         rows = rows.get("loads") or [rows]
     queue = running = 0.0
+    usage: float | None = None
     for row in rows:
+        if not isinstance(row, dict):
+            continue
         waiting = float(row.get("num_waiting_reqs", 0) or 0)
-        total = float(row.get("num_reqs", waiting) or 0)
         queue += waiting
-        running += max(0.0, total - waiting)
-    return {"queue_reqs": queue, "running_reqs": running}
+        if "num_running_reqs" in row:
+            running += float(row.get("num_running_reqs") or 0)
+        else:
+            running += max(0.0, float(row.get("num_reqs", waiting) or 0) - waiting)
+        ratio = row.get("token_usage")
+        if isinstance(ratio, int | float) and not isinstance(ratio, bool):
+            usage = max(usage or 0.0, float(ratio))
+    out: dict[str, float | None] = {"queue_reqs": queue, "running_reqs": running}
+    if usage is not None:
+        out["token_usage"] = usage
+    return out
+
+
+parse_get_load = parse_loads  # the older name
+
+
+#: where a server reports its load, newest first (``/get_load`` is deprecated in SGLang and
+#: logs a warning per call)
+LOAD_PATHS = ("/v1/loads", "/get_load")
 
 
 class Scraper:
@@ -152,6 +211,8 @@ class Scraper:
         self.on_scrape = on_scrape
         #: backends whose server info was asked for, and at which restart count
         self._info_asked: dict[str, int] = {}
+        #: per backend, the load path it served last (one without /v1/loads: /get_load)
+        self._load_path: dict[str, str] = {}
 
     @property
     def stale_after_s(self) -> float:
@@ -190,8 +251,8 @@ class Scraper:
         base = str(backend.url).rstrip("/")
         try:
             values = parse_metrics((await self._get(base + self.s.path, headers)).decode())
-            if self.s.use_get_load:
-                values.update(parse_get_load(await self._get(base + "/get_load", headers)))
+            if self.s.use_loads:
+                values.update(parse_loads(await self._loads(backend.name, base, headers)))
         except asyncio.CancelledError:
             raise
         except _NotServed as e:
@@ -215,6 +276,20 @@ class Scraper:
             self._info_asked[backend.name] = stats.scrape.restarts
             stats.scrape.max_running_requests = await self._server_info(base, headers)
         return True
+
+    async def _loads(self, name: str, base: str, headers: dict[str, str] | None) -> bytes:
+        """The load report: ``/v1/loads`` where the server has it, else ``/get_load``."""
+        known = self._load_path.get(name)
+        for path in (known,) if known else LOAD_PATHS:
+            try:
+                body = await self._get(base + path, headers)
+            except _NotServed:
+                if known or path == LOAD_PATHS[-1]:
+                    raise RuntimeError(f"no load report at {path}") from None
+                continue
+            self._load_path[name] = path
+            return body
+        raise RuntimeError("no load report")  # not reached
 
     async def _server_info(self, base: str, headers: dict[str, str] | None) -> int | None:
         """What the server says it runs at most; asked once, and again after a restart. Newer

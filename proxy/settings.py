@@ -137,6 +137,12 @@ class HealthSettings(Section):
         3, ge=1, description="consecutive request failures that eject a backend"
     )
     eject_s: float = Field(10.0, gt=0, description="time ejected before a half-open probe")
+    models_refresh_s: float = Field(
+        30.0,
+        gt=0,
+        description="a healthy backend's /v1/models is read again this often (LoRA adapters "
+        "loaded later appear; also at once after an adapter load through the proxy)",
+    )
 
     @field_validator("path")
     @classmethod
@@ -158,6 +164,15 @@ class BackendSettings(Section):
     )
     api_key: str | None = Field(None, description="Bearer key the backend expects")
     limits: dict[str, Any] = Field(default_factory=dict, description="overrides of [limits]")
+    discover: Literal["static", "dns"] = Field(
+        "static",
+        description='"dns": one backend per address the URL\'s host resolves to (e.g. a '
+        "Kubernetes headless Service), named name@address, resolved again every "
+        "discover_interval_s; addresses that leave are drained",
+    )
+    discover_interval_s: float = Field(
+        10.0, gt=0, description="seconds between DNS resolutions (discover = dns)"
+    )
 
     @field_validator("url")
     @classmethod

@@ -1,8 +1,17 @@
-"""Server-sent events as SGLang sends them: framing and token accounting.
+"""Streams as SGLang sends them: framing and token accounting.
 
 Shared by the proxy (which peeks at events it forwards untouched) and the load generator
-(which times them). SGLang frames every event as ``data: <json>\\n\\n`` and ends a stream
-with ``data: [DONE]``; it sends no ``event:``/``id:`` lines and no keep-alive comments.
+(which times them). SGLang frames every OpenAI and native event as ``data: <json>\\n\\n`` and
+ends such a stream with ``data: [DONE]``; ``/v1/messages`` (Anthropic) and ``/v1/responses``
+add an ``event: <type>`` line to each event (the JSON's ``type`` says the same); the Ollama
+routes (``/api/chat``, ``/api/generate``) stream newline-delimited JSON instead (one object a
+line, the last one ``"done": true``), which :class:`LineFramer` splits.
+
+Token-carrying events per API: OpenAI chat/completions content chunks; ``/generate``'s
+cumulative ``meta_info.completion_tokens``; Anthropic ``content_block_delta``; Responses
+``response.*.delta`` events; Ollama lines with ``done: false`` and text. The final count is the
+server's own where the stream says it (OpenAI ``usage``, Anthropic ``message_delta.usage``,
+Responses ``response.completed``'s ``response.usage``, Ollama's ``eval_count``).
 
 What counts as a generated token follows DESIGN.md: a chat role-only chunk, the separate
 finish chunk and the usage chunk (``"choices": []``) carry none. When a chunk says how many
@@ -18,7 +27,11 @@ from typing import Literal
 
 import orjson
 
-Api = Literal["chat", "completions", "generate"]
+Api = Literal[
+    "chat", "completions", "generate", "messages", "responses", "ollama_chat", "ollama_generate"
+]
+#: APIs whose stream is newline-delimited JSON, not SSE
+NDJSON_APIS: frozenset[str] = frozenset({"ollama_chat", "ollama_generate"})
 
 DONE = b"[DONE]"
 
@@ -116,6 +129,58 @@ class SSEFramer:
         return bytes(self._buf) + b"\r" if self._cr else bytes(self._buf)
 
 
+class LineFramer:
+    """Splits a newline-delimited JSON stream into its lines (the Ollama routes): the same
+    interface as :class:`SSEFramer`, each non-empty line one payload. A line longer than
+    ``max_event`` yields :data:`OVERSIZED` once and is skipped to its end."""
+
+    __slots__ = ("_buf", "_max", "_skipping", "oversized")
+
+    def __init__(self, max_event: int | None = None) -> None:
+        self._buf = bytearray()
+        self._max = max_event
+        self._skipping = False
+        self.oversized = 0
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            if end < 0:
+                break
+            if self._skipping:
+                self._skipping = False
+            else:
+                line = bytes(self._buf) + chunk[start:end] if self._buf else chunk[start:end]
+                self._buf.clear()
+                line = line.strip()
+                if self._max is not None and len(line) > self._max:
+                    self.oversized += 1
+                    out.append(OVERSIZED)
+                elif line:
+                    out.append(line)
+            start = end + 1
+        if not self._skipping and start < len(chunk):
+            self._buf += chunk[start:]
+            if self._max is not None and len(self._buf) > self._max:
+                self.oversized += 1
+                out.append(OVERSIZED)
+                self._buf.clear()
+                self._skipping = True
+        return out
+
+    @property
+    def pending(self) -> bytes:
+        """The bytes of an unterminated last line (a stream that ends here was cut short)."""
+        return bytes(self._buf)
+
+
+def framer_for(api: Api, max_event: int | None = None) -> SSEFramer | LineFramer:
+    """The framer of ``api``'s stream."""
+    return LineFramer(max_event) if api in NDJSON_APIS else SSEFramer(max_event)
+
+
 def _data_of(block: bytes) -> bytes | None:
     if block.startswith(b"data:") and b"\n" not in block:
         value = block[5:]
@@ -172,9 +237,84 @@ class TokenCounter:
             err = obj["error"]
             self.error = err if isinstance(err, dict) else {"message": str(err)}
             return 0
-        if self.api == "generate":
+        api = self.api
+        if api == "generate":
             return self._observe_generate(obj)
+        if api == "messages":
+            return self._observe_messages(obj)
+        if api == "responses":
+            return self._observe_responses(obj)
+        if api in NDJSON_APIS:
+            return self._observe_ollama(obj)
         return self._observe_openai(obj)
+
+    def _count(self, carries: bool) -> int:
+        """One token for an event that carries text (the final usage reconciles the total)."""
+        if carries:
+            self.chunk_tokens += 1
+            return 1
+        return 0
+
+    def _observe_messages(self, obj: dict) -> int:
+        kind = obj.get("type")
+        if kind == "content_block_delta":
+            delta = obj.get("delta")
+            if not isinstance(delta, dict):
+                self.malformed += 1
+                return 0
+            return self._count(
+                bool(delta.get("text") or delta.get("partial_json") or delta.get("thinking"))
+            )
+        usage = obj.get("usage")
+        if kind == "message_start" and isinstance(obj.get("message"), dict):
+            usage = obj["message"].get("usage")
+        if isinstance(usage, dict):
+            if isinstance(usage.get("input_tokens"), int) and usage["input_tokens"]:
+                self.prompt_tokens = usage["input_tokens"]
+            if kind == "message_delta" and isinstance(usage.get("output_tokens"), int):
+                self.completion_tokens = usage["output_tokens"]
+        if kind == "message_delta" and isinstance(obj.get("delta"), dict):
+            self.finish_reason = obj["delta"].get("stop_reason") or self.finish_reason
+        return 0
+
+    def _observe_responses(self, obj: dict) -> int:
+        kind = obj.get("type")
+        if not isinstance(kind, str):
+            self.malformed += 1
+            return 0
+        if kind.endswith(".delta"):
+            return self._count(bool(obj.get("delta")))
+        response = obj.get("response")
+        if isinstance(response, dict):
+            usage = response.get("usage")
+            if isinstance(usage, dict):
+                if isinstance(usage.get("output_tokens"), int):
+                    self.completion_tokens = usage["output_tokens"]
+                if isinstance(usage.get("input_tokens"), int):
+                    self.prompt_tokens = usage["input_tokens"]
+            if kind in ("response.failed", "response.incomplete"):
+                err = response.get("error")
+                self.error = err if isinstance(err, dict) else {"message": kind}
+            elif kind == "response.completed":
+                self.finish_reason = "completed"
+        return 0
+
+    def _observe_ollama(self, obj: dict) -> int:
+        if obj.get("done") is True:
+            if isinstance(obj.get("eval_count"), int):
+                self.completion_tokens = obj["eval_count"]
+            if isinstance(obj.get("prompt_eval_count"), int):
+                self.prompt_tokens = obj["prompt_eval_count"]
+            self.finish_reason = obj.get("done_reason") or "stop"
+            self.done = True
+            return 0
+        message = obj.get("message")
+        if self.api == "ollama_chat":
+            if not isinstance(message, dict):
+                self.malformed += 1
+                return 0
+            return self._count(bool(message.get("content") or message.get("thinking")))
+        return self._count(bool(obj.get("response")))
 
     def _observe_generate(self, obj: dict) -> int:
         meta = obj.get("meta_info") or {}
@@ -234,3 +374,32 @@ class TokenCounter:
             new = 1
         self.chunk_tokens += new
         return new
+
+
+def body_tokens(data: bytes) -> int | None:
+    """Generated tokens a whole (non-streamed) answer reports, in any of SGLang's shapes: OpenAI
+    and Responses ``usage`` (``completion_tokens`` / ``output_tokens``, also Anthropic's),
+    ``/generate``'s ``meta_info`` (one object, or a list for a batch), Vertex ``predictions``,
+    Ollama's ``eval_count``. None when it does not say."""
+    if not data or data[:1] not in (b"{", b"["):
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(obj, dict) and isinstance(obj.get("predictions"), list):
+        obj = obj["predictions"]
+    items = obj if isinstance(obj, list) else [obj]
+    total = 0
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        usage = item.get("usage") or item.get("meta_info") or {}
+        if not isinstance(usage, dict):
+            continue
+        n = usage.get("completion_tokens", usage.get("output_tokens"))
+        if n is None:
+            n = item.get("eval_count")
+        if isinstance(n, int) and not isinstance(n, bool):
+            total += n
+    return total or None

@@ -408,3 +408,29 @@ async def test_queued_request_bytes_are_capped_and_released_however_a_waiter_lea
     await asyncio.gather(big, return_exceptions=True)
     held.release()
     assert adm.queued_bytes == 0 and adm.rejections["queue_bytes_full"] == 1
+
+
+async def test_a_batch_takes_one_slot_per_sequence_and_keeps_its_place():
+    a = FakeBackend("a", 4)
+    adm = admission([a])
+    one = await adm.acquire()
+    batch = asyncio.create_task(adm.acquire(seqs=4))
+    await settle()
+    assert not batch.done() and a.in_flight == 1  # 4 sequences do not fit beside 1
+    single = asyncio.create_task(adm.acquire())
+    await settle()
+    assert not single.done() and adm.depth == 2  # 3 slots free, but the batch is first
+    one.release()
+    lease = await batch
+    assert lease.slots == 4 and a.in_flight == 4 and not single.done()
+    lease.release()
+    assert (await single).backend is a and a.in_flight == 1
+
+
+async def test_a_batch_larger_than_the_limit_takes_an_idle_backend_whole():
+    a = FakeBackend("a", 4)
+    adm = admission([a])
+    lease = await adm.acquire(seqs=10)
+    assert lease.slots == 4 and a.in_flight == 4  # never above the limit
+    lease.release()
+    assert a.in_flight == 0

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import aiohttp
 import orjson
 from proxy_support import MODEL, fakes, running_proxy, wait_for
@@ -68,3 +71,54 @@ async def test_add_drain_remove_keep_streams_in_flight():
             await wait_for(lambda: px.proxy.pool.get("b").state is State.HEALTHY)
             status, out = await _admin(s, "GET", px.url + "/admin/queue")
             assert status == 200
+
+
+async def test_abort_request_goes_to_the_backend_holding_the_rid_or_cancels_it_in_the_queue():
+    async with (
+        fakes(2) as ups,
+        running_proxy(
+            [u.url for u in ups],
+            server={"admin_key": "adm"},
+            limits={"algorithm": "fixed", "initial": 1},
+            scrape={"enabled": False},
+        ) as px,
+    ):
+        for u in ups:
+            u.hold_s = 30.0  # every chat request stays on its backend until its client leaves
+        url = px.url + "/v1/chat/completions"
+        async with aiohttp.ClientSession() as s:
+
+            async def chat(rid: str | None):
+                body = {"model": MODEL, "messages": [], "stream": True}
+                if rid:
+                    body["rid"] = rid
+                return await s.post(url, json=body)
+
+            running = [asyncio.create_task(chat("a")), asyncio.create_task(chat(None))]
+            await wait_for(lambda: sum(u.held for u in ups) == 2)
+            queued = asyncio.create_task(chat("b"))  # both backends full: it waits
+            await wait_for(lambda: px.proxy.admission.depth == 1)
+
+            status, out = await _admin(s, "POST", px.url + "/abort_request", {"rid": "b"})
+            assert status == 200 and out["cancelled_in_queue"] is True and out["backends"] == {}
+            r = await queued
+            assert r.status == 400 and (await r.json())["error"]["code"] == "request_aborted"
+            assert px.proxy.admission.depth == 0
+
+            holder = px.proxy.holders.find("a").backend
+            status, out = await _admin(s, "POST", px.url + "/abort_request", {"rid": "a"})
+            assert status == 200 and list(out["backends"]) == [holder]  # only where it runs
+            aborts = {
+                f"127.0.0.1:{u.port}": sum(q.get("path") == "/abort_request" for q in u.requests)
+                for u in ups
+            }
+            assert aborts == {n: int(n == holder) for n in aborts}
+
+            status, out = await _admin(s, "POST", px.url + "/abort_request", {"rid": "zzz"})
+            assert status == 200 and len(out["backends"]) == 2  # unknown: every backend
+            for t in running:
+                t.cancel()
+            for t in running:
+                with contextlib.suppress(asyncio.CancelledError):
+                    (await t).close()
+            await wait_for(lambda: len(px.proxy.holders) == 0)  # entries live with requests

@@ -557,9 +557,9 @@ async def test_a_request_queued_by_a_backend_is_recalled_when_its_limit_falls():
         calls: list[tuple[float | None, bool]] = []
         acquire = adm.acquire
 
-        def spy(priority="interactive", exclude=frozenset(), deadline=None, *, front=False, size=0):
+        def spy(priority="interactive", exclude=frozenset(), deadline=None, *, front=False, **kw):
             calls.append((deadline, front))
-            return acquire(priority, exclude, deadline, front=front, size=size)
+            return acquire(priority, exclude, deadline, front=front, **kw)
 
         adm.acquire = spy
         task = asyncio.create_task(

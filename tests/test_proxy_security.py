@@ -147,7 +147,7 @@ async def test_unknown_routes_are_404_and_never_forwarded():
     async with fakes(1) as (up,), running_proxy([up.url]) as px:
         for method, path in [
             ("GET", "/no_such_route"),
-            ("POST", "/open_session"),
+            ("POST", "/generate_from_file"),
             ("GET", "/openapi.json"),
             ("DELETE", "/v1/models"),
             ("POST", "/sim/faults"),

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
+import aiohttp
 from adapt_fakes import FakeBackend, FakeClock
 from aiohttp import web
 from conftest import free_port
+from sim_util import running_sim, wait_until
 
 from proxy.scrape import (
     Scraper,
     ScrapeSettings,
     parse_get_load,
+    parse_loads,
     parse_metrics,
     parse_server_info,
 )
@@ -178,6 +184,121 @@ async def test_scraper_asks_the_server_what_it_runs_once_and_after_a_restart():
         b.stats.scrape.restarts += 1
         await scraper.scrape_all()
         assert b.stats.scrape.max_running_requests == 48
+    finally:
+        await scraper.close()
+        await runner.cleanup()
+
+
+# ---- SGLang's label sets: DP attention, priority scheduling, pipeline stages, pid ------------
+
+DP_ATTENTION = "".join(
+    f'sglang:num_running_reqs{{dp_rank="{r}",engine_type="unified",model_name="m",'
+    f'moe_ep_rank="{r}",pp_rank="0",tp_rank="{r}"}} 10.0\n'
+    f'sglang:num_queue_reqs{{dp_rank="{r}",engine_type="unified",model_name="m",'
+    f'moe_ep_rank="{r}",pp_rank="0",tp_rank="{r}"}} {r}.0\n'
+    f'sglang:token_usage{{dp_rank="{r}",engine_type="unified",model_name="m",'
+    f'moe_ep_rank="{r}",pp_rank="0",tp_rank="{r}"}} 0.{r}\n'
+    for r in range(8)
+)
+
+
+def test_dp_attention_ranks_are_summed_though_their_tp_rank_is_not_zero():
+    v = parse_metrics(DP_ATTENTION)
+    assert v["running_reqs"] == 80.0  # 8 DP ranks x 10 (rank 0 alone would read 10)
+    assert v["queue_reqs"] == 28.0
+    assert v["token_usage"] == 0.7  # the fullest rank's pool, never a sum of ratios
+
+
+PRIORITY = """\
+sglang:num_running_reqs{model_name="m",priority="",pp_rank="0",tp_rank="0"} 12.0
+sglang:num_running_reqs{model_name="m",priority="0",pp_rank="0",tp_rank="0"} 8.0
+sglang:num_running_reqs{model_name="m",priority="5",pp_rank="0",tp_rank="0"} 4.0
+sglang:num_running_reqs{model_name="m",priority="9",pp_rank="0",tp_rank="0"} 0.0
+sglang:num_queue_reqs{model_name="m",priority="",pp_rank="0",tp_rank="0"} 3.0
+sglang:num_queue_reqs{model_name="m",priority="None",pp_rank="0",tp_rank="0"} 3.0
+"""
+
+
+def test_priority_scheduling_takes_the_total_only():
+    v = parse_metrics(PRIORITY)
+    assert (v["running_reqs"], v["queue_reqs"]) == (12.0, 3.0)  # not 24 and 6
+
+
+def test_one_pipeline_stage_and_no_per_process_series():
+    page = "".join(
+        f'sglang:num_running_reqs{{model_name="m",pp_rank="{s}",tp_rank="0"}} 16.0\n'
+        for s in range(8)
+    )
+    page += 'sglang:num_retracted_requests_total{model_name="m",pid="42"} 9.0\n'
+    page += 'sglang:num_retracted_requests_total{model_name="m"} 2.0\n'
+    v = parse_metrics(page)
+    assert v["running_reqs"] == 16.0  # every stage holds the same requests
+    assert v["retractions_total"] == 2.0
+
+
+def test_tp_ranks_repeating_one_dp_rank_count_once():
+    # --enable-metrics-for-all-schedulers with DP attention of attn_tp_size 2: tp ranks 2r, 2r+1
+    page = "".join(
+        f'sglang:num_running_reqs{{dp_rank="{r}",pp_rank="0",tp_rank="{2 * r + t}"}} 5.0\n'
+        for r in range(4)
+        for t in range(2)
+    )
+    assert parse_metrics(page)["running_reqs"] == 20.0
+
+
+def test_parse_v1_loads_rows():
+    body = (
+        b'{"timestamp": 1, "loads": [{"dp_rank": 0, "num_running_reqs": 7, "num_waiting_reqs": 2,'
+        b' "token_usage": 0.25}, {"dp_rank": 1, "num_running_reqs": 3, "num_waiting_reqs": 1,'
+        b' "token_usage": 0.5}]}'
+    )
+    assert parse_loads(body) == {"queue_reqs": 3.0, "running_reqs": 10.0, "token_usage": 0.5}
+
+
+async def test_scraper_reads_the_ep8_simulator_with_dp_attention_and_priority():
+    """The simulator's ep8 profile writes SGLang's label sets (8 DP ranks, priority totals and
+    breakdowns, per-process series): the scraper reads the server's true running count."""
+    async with running_sim("ep8", overrides={"priority_scheduling": True}) as (url, sim):
+        body = {
+            "text": ["hello there"] * 80,
+            "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True},
+        }
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(session.post(url + "/generate", json=body))
+            try:
+                await wait_until(lambda: sim.engine.logged_stats().num_running_reqs == 80)
+                page = (await (await session.get(url + "/metrics")).read()).decode()
+                assert 'priority="0"' in page and 'dp_rank="7"' in page and "pid=" in page
+                b = FakeBackend("ep8", url=url)
+                scraper = Scraper([b], ScrapeSettings(), session=session)
+                assert await scraper.scrape_once(b)
+                assert b.stats.scrape.running_reqs == 80.0
+                assert b.stats.scrape.queue_reqs == 0.0
+                scraper.s = ScrapeSettings(use_loads=True)
+                assert await scraper.scrape_once(b)
+                assert scraper._load_path["ep8"] == "/v1/loads"
+                assert b.stats.scrape.running_reqs == 80.0
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+
+async def test_scraper_falls_back_to_get_load_without_v1_loads():
+    runner, url = await _serve(
+        {
+            "/metrics": PAGE.encode(),
+            "/v1/loads": 404,
+            "/get_load": b'[{"num_reqs": 9, "num_waiting_reqs": 4}]',
+        }
+    )
+    b = FakeBackend("old", url=url)
+    scraper = Scraper([b], ScrapeSettings(use_get_load=True))  # the older name still reads
+    try:
+        assert scraper.s.use_loads
+        assert await scraper.scrape_once(b)
+        assert b.stats.scrape.queue_reqs == 4.0 and b.stats.scrape.running_reqs == 5.0
+        assert scraper._load_path["old"] == "/get_load"
     finally:
         await scraper.close()
         await runner.cleanup()

@@ -446,8 +446,19 @@ async def test_metrics_one_series_per_dp_rank():
     assert len(totals) == dp > 1
     assert sum(totals) == backend.engine.logged_stats().max_total_num_tokens
     keys = [k for k in samples if k.startswith("sglang:token_usage{")]
-    assert all('moe_ep_rank="0"' in k for k in keys)
-    assert {k.split('dp_rank="')[1].split('"')[0] for k in keys} == {str(r) for r in range(dp)}
+    ranks = {
+        label: {k.split(f'{label}="')[1].split('"')[0] for k in keys}
+        for label in ("dp_rank", "tp_rank", "moe_ep_rank")
+    }
+    # DP attention (tp 8, dp 8): each DP rank's scheduler is TP rank r and EP rank r, as SGLang's
+    assert (
+        ranks["dp_rank"] == ranks["tp_rank"] == ranks["moe_ep_rank"] == {str(r) for r in range(dp)}
+    )
+    assert all(f'dp_rank="{r}"' in k and f'tp_rank="{r}"' in k for k in keys for r in [_dp(k)])
+
+
+def _dp(key: str) -> str:
+    return key.split('dp_rank="')[1].split('"')[0]
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -632,3 +643,45 @@ def test_cli_user_errors_are_one_line(tmp_path):
         )  # fmt: skip
         assert r.returncode != 0
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+# ---- when each route sends its headers (as SGLang's) ----------------------------------------
+
+
+async def test_native_generate_stream_sends_headers_at_once_and_errors_inside_the_stream():
+    async with running_sim("tp8", overrides={"max_total_tokens": 64}) as (url, _backend):
+        async with aiohttp.ClientSession(url) as s:
+            too_long = "word " * 200  # does not fit the 64-token KV pool
+            body = {"text": too_long, "stream": True, "sampling_params": {"max_new_tokens": 4}}
+            async with s.post("/generate", json=body) as r:
+                assert r.status == 200
+                events = sse_payloads(await r.read())
+            assert events[-1] == b"[DONE]" and "error" in orjson.loads(events[0])
+            body["stream"] = False
+            async with s.post("/generate", json=body) as r:
+                assert r.status == 400  # answered whole: an error status
+            chat = {"messages": [{"role": "user", "content": too_long}], "stream": True}
+            async with s.post(CHAT, json=chat) as r:
+                assert r.status == 400  # OpenAI routes: headers only with the first chunk
+
+
+async def test_a_queued_generate_stream_has_its_headers_a_queued_chat_stream_does_not():
+    async with running_sim("tp8", overrides={"max_running_requests": 1}) as (url, backend):
+        async with aiohttp.ClientSession(url) as s:
+            params = {"max_new_tokens": 3000, "ignore_eos": True}
+            first = {"text": "a", "stream": True, "sampling_params": params}
+            busy = await s.post("/generate", json=first)
+            await wait_until(lambda: running(backend) == 1)
+            gen = asyncio.create_task(
+                s.post("/generate", json={"text": "b", "stream": True, "sampling_params": params})
+            )
+            chat = asyncio.create_task(
+                s.post(CHAT, json={"messages": MSGS, "stream": True, "max_tokens": 5})
+            )
+            await wait_until(lambda: backend.engine.live_stats().num_queue_reqs == 2)
+            await wait_until(gen.done)  # headers while queued
+            assert (await gen).status == 200 and not chat.done()
+            busy.close()
+            (await gen).close()
+            async with await chat as r:  # once it runs, the chat stream's headers come
+                assert r.status == 200

@@ -153,6 +153,8 @@ def _output(gen: Generation) -> dict:
 class GenerateStream:
     """Cumulative ``/generate`` chunks; a batch's chunks carry ``"index"``."""
 
+    headers_first = True
+
     def __init__(self, gens: list[Generation], single: bool) -> None:
         self.gens, self.single = gens, single
 

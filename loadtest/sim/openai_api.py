@@ -292,6 +292,8 @@ def _stream_error(finish: dict) -> bytes:
 class ChatStream:
     """Event shapes of a chat completion stream (one choice)."""
 
+    headers_first = False
+
     def __init__(self, gen: Generation, model: str) -> None:
         self.gen, self.model = gen, model
         self.created = int(time.time())
@@ -353,6 +355,8 @@ class ChatStream:
 
 class CompletionStream:
     """Event shapes of a text completion stream (finish reason on the last content chunk)."""
+
+    headers_first = False
 
     def __init__(self, gen: Generation, model: str) -> None:
         self.gen, self.model = gen, model

@@ -34,7 +34,14 @@ class Profile(BaseModel):
     tp_size: int = Field(1, ge=1)
     pp_size: int = Field(1, ge=1, description="pipeline stages S (pp profiles)")
     ep_size: int = Field(1, ge=1)
-    dp_size: int = Field(1, ge=1, description="data-parallel attention ranks (/get_load rows)")
+    dp_size: int = Field(
+        1, ge=1, description="data-parallel attention ranks (/get_load rows, dp_rank series)"
+    )
+    priority_scheduling: bool = Field(
+        False,
+        description="as --enable-priority-scheduling: running/queue gauges are written as a "
+        'total (priority="") and again per priority',
+    )
 
     # --- capacity -------------------------------------------------------------------------
     context_length: int = Field(ge=2, description="longest prompt + output, tokens")

@@ -3,10 +3,20 @@
 Scheduler gauges (``sglang:num_running_reqs``, ``sglang:token_usage``, ...) are read from
 ``engine.logged_stats()`` at scrape time: like SGLang's, they change only on prefill batches
 and every ``decode_log_interval`` decode steps, and keep their last value when idle. They
-carry the scheduler labels (``model_name``, ``engine_type``, ``tp_rank``, ``pp_rank``,
-``moe_ep_rank``, and ``dp_rank`` with DP attention); only rank 0 of each DP group reports,
-as with SGLang's default (other ranks' schedulers do not export unless
-``--enable-metrics-for-all-schedulers``), so summing series never double counts.
+carry the label sets SGLang's schedulers write (``model_name``, ``engine_type``, ``tp_rank``,
+``pp_rank``, ``moe_ep_rank``, plus ``dp_rank`` with DP attention and ``priority`` with
+priority scheduling):
+
+- with DP attention (``dp_size`` > 1) each DP rank's scheduler writes its own series, and its
+  ``tp_rank`` and ``moe_ep_rank`` are its first TP rank (``dp_rank`` x tp_size / dp_size): the
+  engine's counts are split over the ranks, ratios repeated;
+- every pipeline stage (``pp_rank`` 0..pp_size-1) writes the same state;
+- with ``priority_scheduling`` the running/queue gauges are written as the total under
+  ``priority=""`` and again per priority (everything runs at the default priority, "0");
+- ``sglang:num_retracted_reqs`` is a per-process gauge in SGLang (a ``pid`` label).
+
+A reader must combine them as SGLang means them (proxy/scrape.py): a sum over every series
+over-counts.
 Per-request histograms and token counters are the tokenizer side's and carry
 ``model_name`` only. Durations are modelled seconds (wall seconds divided by
 ``--time-scale``), i.e. what the real deployment would report.
@@ -74,34 +84,58 @@ def stat(obj: Any, name: str, default: float = 0.0) -> float:
 
 # gauges that are ratios: every DP rank reports the same value (the rest are split evenly)
 RATIO_GAUGES = frozenset({"token_usage", "cache_hit_rate", "utilization"})
+# gauges SGLang writes again per priority with priority scheduling
+PRIORITY_GAUGES = frozenset({"num_running_reqs", "num_queue_reqs"})
+# gauges SGLang keeps per process (prometheus-client's "all" multiprocess mode: a pid label)
+PID_GAUGES = frozenset({"num_retracted_reqs"})
+SIM_PID = "1"  # the pid label's value (one simulated scheduler process)
 
 
 class _EngineCollector:
-    """Reads the engine's (stale) gauges and counters at scrape time.
-
-    With DP attention (``dp_size`` > 1) every DP rank's scheduler reports its own series,
-    labelled ``dp_rank``; the engine's totals are split evenly, so a sum over ``dp_rank``
-    gives them back.
-    """
+    """Reads the engine's (stale) gauges and counters at scrape time, in SGLang's label sets."""
 
     def __init__(
-        self, engine: Any, scheduler_labels: dict[str, str], model_name: str, dp_size: int = 1
+        self,
+        engine: Any,
+        base_labels: dict[str, str],
+        model_name: str,
+        *,
+        dp_size: int = 1,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        ep: bool = False,
+        priority: bool = False,
     ) -> None:
         self._engine = engine
-        self._labels = scheduler_labels
         self._model = model_name
         self._dp = dp_size
+        self._priority = priority
+        # one label dict per scheduler that writes (per DP rank and pipeline stage)
+        per_dp = max(tp_size // dp_size, 1)
+        self._schedulers: list[dict[str, str]] = []
+        for pp in range(pp_size):
+            for dp in range(dp_size):
+                labels = {**base_labels, "tp_rank": str(dp * per_dp), "pp_rank": str(pp)}
+                if ep:
+                    labels["moe_ep_rank"] = str(dp * per_dp)
+                if priority:
+                    labels["priority"] = ""
+                if dp_size > 1:
+                    labels["dp_rank"] = str(dp)
+                self._schedulers.append(labels)
 
     def collect(self) -> Iterator[Metric]:
         logged = self._engine.logged_stats()
-        names = list(self._labels) + (["dp_rank"] if self._dp > 1 else [])
-        ranks = [[*self._labels.values(), *([str(r)] if self._dp > 1 else [])]
-                 for r in range(self._dp)]  # fmt: skip
+        names = list(self._schedulers[0])
         for metric, attr, doc in SCHEDULER_GAUGES:
-            g = GaugeMetricFamily(metric, doc, labels=names)
+            extra = ["pid"] if attr in PID_GAUGES else []
+            g = GaugeMetricFamily(metric, doc, labels=names + extra)
             total = float(stat(logged, attr))
-            for values in ranks:
-                g.add_metric(values, total if attr in RATIO_GAUGES else total / self._dp)
+            value = total if attr in RATIO_GAUGES else total / self._dp
+            for labels in self._schedulers:
+                g.add_metric([*labels.values(), *([SIM_PID] if extra else [])], value)
+                if self._priority and attr in PRIORITY_GAUGES:
+                    g.add_metric([*{**labels, "priority": "0"}.values()], value)
             yield g
         counters = _counters(self._engine)
         for metric, attr, doc in COUNTERS:
@@ -120,17 +154,31 @@ def _counters(engine: Any) -> Any:
 class SimMetrics:
     """One backend's registry: engine gauges/counters plus per-request histograms."""
 
-    def __init__(self, engine: Any, *, model_name: str, parallelism: str, dp_size: int = 1) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        model_name: str,
+        parallelism: str,
+        dp_size: int = 1,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        priority: bool = False,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        labels = {
-            "model_name": model_name,
-            "engine_type": "unified",
-            "tp_rank": "0",
-            "pp_rank": "0",
-        }
-        if parallelism == "ep":
-            labels["moe_ep_rank"] = "0"
-        self.registry.register(_EngineCollector(engine, labels, model_name, dp_size))
+        labels = {"model_name": model_name, "engine_type": "unified"}
+        self.registry.register(
+            _EngineCollector(
+                engine,
+                labels,
+                model_name,
+                dp_size=dp_size,
+                tp_size=tp_size,
+                pp_size=pp_size,
+                ep=parallelism == "ep",
+                priority=priority,
+            )
+        )
         kw = {"labelnames": ["model_name"], "registry": self.registry}
         self._ttft = Histogram(
             "sglang:time_to_first_token_seconds",

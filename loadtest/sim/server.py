@@ -60,6 +60,9 @@ class SimBackend:
             model_name=self.model_name,
             parallelism=self.profile.parallelism,
             dp_size=self.profile.dp_size,
+            tp_size=self.profile.tp_size,
+            pp_size=self.profile.pp_size,
+            priority=self.profile.priority_scheduling,
         )
         self.health_checks = 0
 

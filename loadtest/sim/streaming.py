@@ -2,9 +2,13 @@
 
 A *shaper* (chat, completions, /generate) turns token steps into events:
 ``opening()`` after the first step arrives, ``content(step, usage)`` per step (``None`` to
-skip), ``closing(include_usage)`` at the end. The writer sends HTTP 200 only once the
-first step exists, as SGLang does, marks every token-carrying write for the trace and
-histograms, and carries out the request's stall/drop fault.
+skip), ``closing(include_usage)`` at the end. When the headers go out follows SGLang per route:
+the OpenAI routes kick-start their generator and send HTTP 200 only with the first chunk (an
+error before it is still a 400/503 JSON answer), while native ``/generate`` returns its
+streaming response at once (``headers_first``): the headers go out while the request may still
+queue, and an error before any token is ``200`` with ``data: {"error": {"message": ...}}`` then
+``[DONE]``. The writer marks every token-carrying write for the trace and histograms, and
+carries out the request's stall/drop fault.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from aiohttp import web
 
 from loadtest.sim.faults import Decision
 from loadtest.sim.generation import Generation, Step
-from loadtest.sim.http_util import SSE_HEADERS
+from loadtest.sim.http_util import DONE_EVENT, SSE_HEADERS, sse
 
 
 class Shaper(Protocol):
+    #: send the headers before the first step (native /generate), else with it (OpenAI routes)
+    headers_first: bool
+
     def opening(self) -> list[bytes]: ...
     def content(self, step: Step, usage: dict | None, index: int = 0) -> bytes | None: ...
     def closing(self, include_usage: bool) -> list[bytes]: ...
@@ -51,15 +58,22 @@ class StreamWriter:
     async def run(
         self, shaper: Any, include_usage: bool = False, continuous_usage: bool = False
     ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
         async with _merged(self.gens) as steps:
-            item = await _next(steps)
-            if item is not None and _rejected(item[1]):
-                # refused before any token (e.g. the prompt cannot fit the KV pool): like
-                # SGLang's kick-started generator, answer an error instead of HTTP 200
-                return shaper.reject(item[1].finish)
-            resp = web.StreamResponse(headers=SSE_HEADERS)
             try:
-                await resp.prepare(self.request)
+                if shaper.headers_first:
+                    await resp.prepare(self.request)
+                item = await _next(steps)
+                if item is not None and _rejected(item[1]):
+                    # refused before any token (e.g. the prompt cannot fit the KV pool)
+                    if not shaper.headers_first:  # SGLang's kick-started generator: an error
+                        return shaper.reject(item[1].finish)  # answer instead of HTTP 200
+                    await resp.write(sse({"error": {"message": _message(item[1].finish)}}))
+                    await resp.write(DONE_EVENT)
+                    await resp.write_eof()
+                    return resp
+                if not shaper.headers_first:
+                    await resp.prepare(self.request)
                 await self._send(resp, shaper, steps, item, include_usage, continuous_usage)
             except ConnectionError:
                 # the client left between two writes (before aiohttp cancelled this handler):
@@ -99,6 +113,10 @@ class StreamWriter:
         transport = self.request.transport
         if transport is not None:
             transport.abort()  # drop: cut the connection mid-stream
+
+
+def _message(finish: dict | None) -> str:
+    return (finish or {}).get("message") or "Abort"
 
 
 def _rejected(step: Step) -> bool:
