@@ -770,6 +770,12 @@ class _Server(web.Server):
         )
 
 
+#: the end of the shutdown grace period kept for ending what still runs (at most half of it)
+SHUTDOWN_TAIL_S = 0.5
+#: the least time a request still running at the end of the grace gets to be cancelled
+MIN_CANCEL_S = 0.01
+
+
 class ProxyServer:
     """A Proxy bound to a socket. ``await start()``, then ``await stop(grace)``."""
 
@@ -828,10 +834,18 @@ class ProxyServer:
                 await site.stop()
             if grace is None:
                 grace = self.settings.server.shutdown_grace_s
-            await proxy.wait_idle(grace)
+            # The whole stop fits in ``grace``: its last SHUTDOWN_TAIL_S (at most half) is kept
+            # to end what is still running, so that the exit comes when the docs say it does.
+            deadline = time.monotonic() + grace
+            tail = min(SHUTDOWN_TAIL_S, grace / 2)
+            await proxy.wait_idle(grace - tail)
             if proxy.forwarder is not None and proxy.forwarder.cut_streams():
-                await proxy.wait_idle(1.0)  # their last event and [DONE] go out
-            runner._shutdown_timeout = min(grace, 1.0)  # what is left is cancelled
+                # their SSE error event and [DONE] go out
+                await proxy.wait_idle(max(0.0, deadline - time.monotonic()) / 2)
+            # What is left (requests still waiting for a backend's answer) is cancelled: aiohttp
+            # waits up to this for each handler to end, then as long again once cancelled.
+            left = max(0.0, deadline - time.monotonic())
+            runner._shutdown_timeout = max(left / 2, MIN_CANCEL_S)
             await runner.cleanup()
         await proxy.stop()
 

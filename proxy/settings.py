@@ -73,7 +73,7 @@ class ServerSettings(Section):
         30.0,
         ge=0,
         description="SIGTERM: then the time requests in flight may finish; streams still running "
-        "end with an SSE error event",
+        "end with an SSE error event, and the proxy exits within drain_s + shutdown_grace_s",
     )
     log_prompts: bool = Field(False, description="log request bodies (prompts) at debug level")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")

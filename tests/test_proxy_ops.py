@@ -4,15 +4,24 @@ and names what needs a restart, and a start-up that does not claim a restart."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
 
 import aiohttp
 import orjson
 import pytest
-from proxy_support import fakes, running_proxy, wait_for
+from conftest import free_port
+from proxy_support import fakes, proxy_settings, running_proxy, wait_for
 
 from proxy import logs
+from proxy.app import ProxyServer
 from proxy.logs import JSONFormatter, fields
 from proxy.settings import load_settings
 
@@ -206,3 +215,83 @@ def test_the_log_format_flag_sets_the_setting(fmt):
     args = build_parser().parse_args(["--log-format", fmt, "--access-log"])
     s = load_settings(None, environ={}, **overrides_from(args))
     assert s.server.log_format == fmt and s.server.access_log is True
+
+
+# ---- shutdown within drain_s + shutdown_grace_s --------------------------------------------
+
+#: slack over the documented bound: generous (a loaded machine), and well under the doubling
+#: of the grace period this guards against
+SLACK_S = 1.5
+
+
+async def test_stop_ends_within_the_grace_period_whatever_is_in_flight():
+    """A stream the backend stalls and a request whose answer never comes: the stop still ends
+    within the grace period (it once took twice as long), and the stream says why it ended."""
+    grace = 3.0
+    async with fakes(1) as (up,):
+        server = ProxyServer(
+            proxy_settings([up.url], server={"shutdown_grace_s": grace, "drain_s": 0})
+        )
+        await server.start()
+        async with aiohttp.ClientSession() as s:
+            stream = await s.post(
+                server.url + "/v1/chat/completions",
+                json={**CHAT, "stream": True},
+                headers={"X-Fake-Stall-After": "1"},
+            )
+            await stream.content.readline()  # the stream is running
+            up.hold_s = 3600  # and the next request's answer never comes
+            held = asyncio.create_task(s.post(server.url + "/v1/chat/completions", json=CHAT))
+            await wait_for(lambda: up.held == 1)
+            t0 = time.monotonic()
+            await server.stop()
+            took = time.monotonic() - t0
+            body = await stream.read()
+            with contextlib.suppress(aiohttp.ClientError):
+                (await held).close()
+    assert took <= grace + SLACK_S, took
+    assert b'"code":"shutting_down"' in body and body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_the_proxy_process_exits_within_drain_and_grace_after_sigterm(tmp_path):
+    drain, grace = 0.5, 2.0
+    async with fakes(1) as (up,):
+        up.hold_s = 3600  # the request in flight never gets its answer
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).with_name("proxy")),
+            "--backend",
+            up.url,
+            "--port",
+            str(port),
+            env={
+                **{k: v for k, v in os.environ.items() if not k.startswith("PIPEFILL_")},
+                "PIPEFILL_SERVER__DRAIN_S": str(drain),
+                "PIPEFILL_SERVER__SHUTDOWN_GRACE_S": str(grace),
+            },
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as s:
+                for _ in range(200):
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with s.get(url + "/health") as r:
+                            if r.status == 200:
+                                break
+                    await asyncio.sleep(0.05)
+                held = asyncio.create_task(s.post(url + "/v1/chat/completions", json=CHAT))
+                await wait_for(lambda: up.held == 1)
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                code = await asyncio.wait_for(proc.wait(), drain + grace + 10)
+                took = time.monotonic() - t0
+                with contextlib.suppress(aiohttp.ClientError):
+                    (await held).close()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert code == 0
+    assert took <= drain + grace + SLACK_S, took
