@@ -233,3 +233,9 @@ def test_the_demo_page_states_the_workloads_it_runs_and_loadtest_runs():
     assert f"{plan.input_len}-token prompts, {plan.output_len}-token answers" in text
     default_in, default_out = run_cli.DEFAULT_INPUT, run_cli.DEFAULT_OUTPUT
     assert f"`loadtest run`'s default of {default_in}-token prompts and {default_out}" in text
+
+
+def test_the_documented_quick_recipe_is_the_flag():
+    text = " ".join(_read(ROOT / "docs/loadtest.md").split())
+    recipe = " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in run_cli.QUICK.items())
+    assert f"`--quick` is the one-minute recipe: `{recipe}`" in text
