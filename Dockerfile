@@ -52,8 +52,9 @@ EXPOSE 8080
 # slim image has; urlopen raises (exit 1) on connection errors and non-2xx answers.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('PIPEFILL_SERVER__PORT', '8080') + '/health', timeout=2)"]
-# SIGTERM drains streams in flight (give `docker stop -t` / stop_grace_period more than the
-# drain grace period); SIGHUP reloads the backend list. Exec form: the proxy is PID 1 and
+# SIGTERM drains streams in flight and exits within drain_s + shutdown_grace_s (give
+# `docker stop -t` / stop_grace_period more than that sum: 40 s for the defaults, see
+# docs/deployment.md); SIGHUP reloads the backend list. Exec form: the proxy is PID 1 and
 # receives both signals itself.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["proxy"]

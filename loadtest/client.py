@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from loadtest.records import RequestRecord
+from loadtest.records import CANCELLED, RequestRecord
 from loadtest.workload import RequestSpec
 from proxy.settings import ServerSettings
 from proxy.sse import SSEFramer, TokenCounter
@@ -133,7 +133,7 @@ async def execute(
             else:
                 await _read_whole(resp, target.api, rec)
     except asyncio.CancelledError:
-        rec.error = rec.error or "cancelled"
+        rec.error = rec.error or CANCELLED
         rec.error_message = rec.error_message or "stopped before the response finished"
         raise
     except Exception as exc:  # network failures become the record's error
@@ -282,12 +282,59 @@ async def warm_connections(session: aiohttp.ClientSession, target: Target, n: in
 
 
 async def server_info(session: aiohttp.ClientSession, target: Target) -> dict[str, Any] | None:
-    """``/get_server_info`` (or the newer ``/server_info``) when the target has it."""
+    """``/get_server_info`` (or the newer ``/server_info``) when the target has it.
+
+    A pipefill proxy passes that route to one of its backends, a different one from run to
+    run, so its answer would misdescribe the target: a proxy (its answer names the backend that
+    served it) is recorded as such, with the backends it fronts when ``/admin/backends`` is
+    readable; the answering backend's own info is kept under ``backend_info``."""
+    timeout = aiohttp.ClientTimeout(total=5.0)
     for path in ("/get_server_info", "/server_info"):
         try:
-            data = await get_json(session, target.url + path, limit_s=5.0)
-        except (TimeoutError, TargetError, aiohttp.ClientError):
+            async with session.get(target.url + path, timeout=timeout) as resp:
+                data = orjson.loads(await resp.read())
+                answered_by = resp.headers.get(SERVED_BY_HEADER)
+                status = resp.status
+        except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError):
             continue
-        if isinstance(data, dict):
+        if status >= 400:
+            # a pipefill proxy without the admin key keeps this route to its admin
+            if _error_code(data) in PROXY_ADMIN_CODES:
+                return {"proxy": "pipefill", "fronts": await _proxy_backends(session, target)}
+            continue
+        if not isinstance(data, dict):
+            continue
+        if answered_by is None:
             return data
+        info: dict[str, Any] = {
+            "proxy": "pipefill",
+            "answered_by": answered_by,
+            "fronts": await _proxy_backends(session, target),
+            "backend_info": data,
+        }
+        if "sim_time_scale" in data:  # the simulators behind it share the time scale
+            info["sim_time_scale"] = data["sim_time_scale"]
+        return info
     return None
+
+
+#: error codes only a pipefill proxy answers (its admin routes without the admin key)
+PROXY_ADMIN_CODES = frozenset({"admin_disabled", "invalid_admin_key"})
+
+
+def _error_code(data: Any) -> str | None:
+    error = data.get("error") if isinstance(data, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
+
+
+async def _proxy_backends(session: aiohttp.ClientSession, target: Target) -> list[str] | None:
+    """What a pipefill proxy fronts, as ``name (parallelism, state)``, if it says."""
+    try:
+        data = await get_json(session, target.url + "/admin/backends", limit_s=5.0)
+        return [
+            f"{b['name']} ({b.get('parallelism') or '?'}, {b.get('state', '?')})"
+            for b in data["backends"]
+        ]
+    except (TimeoutError, TargetError, aiohttp.ClientError, KeyError, TypeError):
+        return None

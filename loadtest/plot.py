@@ -22,6 +22,10 @@ class PlotUnavailable(RuntimeError):
     """matplotlib is not installed."""
 
 
+#: a legend below its panel (outside the data), in columns
+LEGEND_OUTSIDE = {"fontsize": 8, "loc": "upper center", "bbox_to_anchor": (0.5, -0.14), "ncol": 3}
+
+
 def _x(level: LevelSummary) -> float:
     """Requested concurrency; for open-loop levels the achieved one."""
     return float(level.concurrency) if level.concurrency > 0 else level.achieved_concurrency
@@ -44,9 +48,13 @@ def plot_sweep(
         raise PlotUnavailable("--plot needs matplotlib: pip install 'pipefill[plot]'") from None
 
     runs = [runs] if isinstance(runs, RunResult) else list(runs)
-    labels = list(labels) if labels is not None else [f"run {i + 1}" for i in range(len(runs))]
+    if labels is None:
+        from loadtest.report import run_label
+
+        labels = [run_label(r.metadata) or f"run {i + 1}" for i, r in enumerate(runs)]
+    labels = list(labels)
     many = len(runs) > 1
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig, axes = plt.subplots(2, 2, figsize=(14, 12), layout="constrained")
     (ax_tput, ax_ttft), (ax_tpot, ax_knee) = axes
     ax_user = ax_tput.twinx()
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -118,7 +126,8 @@ def plot_sweep(
     ax_tput.set_title("throughput vs concurrency")
     lines = ax_tput.get_legend_handles_labels()
     lines2 = ax_user.get_legend_handles_labels()
-    ax_tput.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper left")
+    # Legends go below their panel, never over its data points.
+    ax_tput.legend(lines[0] + lines2[0], lines[1] + lines2[1], **LEGEND_OUTSIDE)
     ax_ttft.set_ylabel("TTFT (ms)")
     ax_ttft.set_title("time to first token vs concurrency")
     ax_tpot.set_ylabel("TPOT (ms)")
@@ -129,10 +138,12 @@ def plot_sweep(
     ax_knee.grid(True, alpha=0.3)
     ax_knee.margins(x=0.1, y=0.1)  # room for the C=... labels
     for ax in (ax_ttft, ax_tpot, ax_knee):
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+        ax.legend(**LEGEND_OUTSIDE)
+    if title is None:
+        from loadtest.report import plot_title
+
+        title = plot_title(runs[0].metadata) if len(runs) == 1 else " vs ".join(labels)
+    fig.suptitle(title)
     out = Path(path)
     try:
         fig.savefig(out, dpi=110)

@@ -11,10 +11,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+#: ``RequestRecord.error`` of a request the run stopped itself (its --drain-timeout, Ctrl-C):
+#: not an error of the target, counted apart from errors
+CANCELLED = "cancelled"
+
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One request, as measured by the client (definitions in DESIGN.md)."""
+    """One request, as measured by the client (definitions in docs/loadtest-metrics.md)."""
 
     level: int  # requested concurrency (closed loop) or 0 for open loop
     worker: int  # which closed-loop worker (or arrival index for open loop) sent it

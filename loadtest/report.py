@@ -199,8 +199,40 @@ _HEADER_KEYS = (
 )
 
 
+def run_label(metadata: dict[str, Any]) -> str | None:
+    """A short name for a run from what it measured: the server's profile or the proxy and
+    what it fronts, and the target; None when the metadata says nothing useful."""
+    server = metadata.get("server") or {}
+    target = str(metadata.get("target") or "").removeprefix("http://")
+    if server.get("proxy"):
+        fronts = server.get("fronts")
+        names = ", ".join(str(f).split(" ", 1)[0] for f in fronts) if fronts else "?"
+        what = f"proxy ({names})"
+    else:
+        what = server.get("sim_profile") or server.get("profile") or server.get("model_path")
+    if not what and not target:
+        return None
+    return f"{what} @ {target}" if what and target else str(what or target)
+
+
+def plot_title(metadata: dict[str, Any]) -> str:
+    """The figure's title: what was measured, with which workload."""
+    parts = [run_label(metadata) or "loadtest run"]
+    if metadata.get("workload"):
+        parts.append(_describe(metadata["workload"]))
+    if metadata.get("interrupted"):
+        parts.append("INTERRUPTED")
+    return " · ".join(parts)
+
+
+#: the first line of the report of a run stopped before its sweep ended
+INTERRUPTED_BANNER = "INTERRUPTED: stopped before the sweep ended; only what ran is reported"
+
+
 def header_lines(metadata: dict[str, Any]) -> list[str]:
     lines = [f"{key}: {_describe(metadata[key])}" for key in _HEADER_KEYS if metadata.get(key)]
+    if metadata.get("interrupted"):
+        lines.insert(0, INTERRUPTED_BANNER)
     client = metadata.get("client")
     if isinstance(client, dict) and client.get("host"):
         lines.append(f"client: {client['host']} ({client.get('cpus', '?')} CPUs)")

@@ -132,7 +132,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from loadtest.report import make_console, render_compare
 
     a, b = _load(args.a), _load(args.b)
-    names = _names([args.a, args.b])
+    names = _names([args.a, args.b], [a, b])
     render_compare(a, b, make_console(), names=(names[0], names[1]))
     _write_outputs([a, b], names, plot=args.plot)
     return 0
@@ -159,7 +159,18 @@ def run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _names(paths: Sequence[str]) -> list[str]:
-    """Short, distinct names for files: their stems, or full paths when stems collide."""
+def _names(paths: Sequence[str], runs: Sequence[RunResult] | None = None) -> list[str]:
+    """Short, distinct names: what each run measured (proxy or server, target), else the
+    files' stems (numbered when they collide), with the stem added where two runs would read
+    the same."""
+    from loadtest.report import run_label
+
     stems = [Path(p).stem for p in paths]
-    return stems if len(set(stems)) == len(stems) else list(paths)
+    if len(set(stems)) != len(stems):  # short still (labels prefix every legend entry)
+        stems = [f"{s} #{i + 1}" for i, s in enumerate(stems)]
+    if runs is None:
+        return stems
+    labels = [run_label(r.metadata) or s for r, s in zip(runs, stems, strict=True)]
+    if len(set(labels)) != len(labels):
+        labels = [f"{lb} ({s})" if lb != s else s for lb, s in zip(labels, stems, strict=True)]
+    return labels

@@ -22,6 +22,9 @@ DEFAULT_CONCURRENCY = "1,4,32"
 # the workload the simulator's profiles were calibrated with (1024-token prompts, 512 out)
 DEFAULT_INPUT, DEFAULT_OUTPUT = 1024, 512
 DEFAULT_WARMUP, DEFAULT_DURATION = 15.0, 45.0  # the default sweep takes ~4-5 minutes
+DEFAULT_DRAIN_TIMEOUT = 60.0
+#: ``--quick``: a sweep of the default levels in about a minute (flags given explicitly win)
+QUICK = {"warmup": 5.0, "duration": 10.0, "drain_timeout": 5.0}
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -155,10 +158,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lv.add_argument(
         "--drain-timeout",
         type=_nonneg,
-        default=60.0,
+        default=None,
         metavar="S",
         help="after the window, wait up to S seconds for running requests "
-        "(default 60), then cancel them",
+        f"(default {DEFAULT_DRAIN_TIMEOUT:g}), then cancel them (counted as cancelled, not as "
+        "errors)",
+    )
+    lv.add_argument(
+        "--quick",
+        action="store_true",
+        help="a one-minute sweep: --warmup {warmup:g} --duration {duration:g} "
+        "--drain-timeout {drain_timeout:g} unless given (fewer samples: for a first look, "
+        "not for numbers to publish)".format(**QUICK).replace("%", "%%"),
     )
     lv.add_argument(
         "--repeat",
@@ -285,6 +296,12 @@ def _validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _validate(args)
+    if args.quick:
+        for name, value in QUICK.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    if args.drain_timeout is None:
+        args.drain_timeout = DEFAULT_DRAIN_TIMEOUT
     slo = None
     if args.slo:
         from loadtest.stats import parse_slo
@@ -355,10 +372,16 @@ def _finish(args: argparse.Namespace, sweep: Any, outcome: Any) -> int:
     from loadtest.results import ResultsError
 
     result = outcome.result
+    if outcome.interrupted:  # the saved file and every report of it say so too
+        result.metadata["interrupted"] = True
     if result.levels:
         _print_report(result)
     for line in outcome.messages:
         print(line, file=sys.stderr)
+    if outcome.interrupted:
+        from loadtest.report import INTERRUPTED_BANNER
+
+        print(f"{INTERRUPTED_BANNER} ({len(result.levels)} level(s) measured)", file=sys.stderr)
     try:
         if args.out:
             result.save(args.out, include_records=args.save_records)

@@ -23,7 +23,7 @@ from typing import Literal
 import aiohttp
 
 from loadtest.client import Target, execute, warm_connections
-from loadtest.records import RequestRecord
+from loadtest.records import CANCELLED, RequestRecord
 from loadtest.selfcheck import CpuMeter, LoopLagMonitor
 from loadtest.workload import API_PATHS, Workload, WorkloadConfig
 
@@ -342,6 +342,8 @@ def _server_summary(info: dict | None) -> dict | None:
     if not info:
         return None
     keys = (
+        "proxy",
+        "fronts",
         "version",
         "model_path",
         "served_model_name",
@@ -482,7 +484,7 @@ class Sweep:
                     if not self.options.progress:
                         print(self._one_line(plan, summary, rep), file=sys.stderr)
                     # cut at the drain timeout is not a failure of the target
-                    done = [r for r in records if r.t_end is not None and r.error != "cancelled"]
+                    done = [r for r in records if r.t_end is not None and r.error != CANCELLED]
                     if done and all(r.error for r in done) and not res.interrupted:
                         first = next(r for r in done if r.error)
                         outcome.error = (

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.records import RequestRecord
+from loadtest.records import CANCELLED, RequestRecord
 
 # thresholds above which the client is called the bottleneck
 DISPATCH_P99_LIMIT_S = 1e-3
@@ -155,9 +155,13 @@ def build_selfcheck(
         if r.completion_tokens is not None and r.completion_tokens < r.requested_output_len
     ]
     errors: dict[str, int] = {}
+    cancelled = 0  # stopped by the run itself (--drain-timeout, Ctrl-C): not the target's error
     for r in done:
-        if r.error:
+        if r.error == CANCELLED:
+            cancelled += 1
+        elif r.error:
             errors[r.error] = errors.get(r.error, 0) + 1
+    answered = len(done) - cancelled
     if achieved_concurrency is None:
         achieved_concurrency = time_avg_in_flight(records, window)
     chunk_total = sum(r.chunk_tokens for r in ok)
@@ -179,7 +183,8 @@ def build_selfcheck(
         "early_stops": len(early),
         "requests": len(done),
         "errors": errors,
-        "error_rate": (sum(errors.values()) / len(done)) if done else 0.0,
+        "error_rate": (sum(errors.values()) / answered) if answered else 0.0,
+        "cancelled": cancelled,
     }
     warnings: list[str] = []
     d99 = out["dispatch_delay_p99_s"]
@@ -212,9 +217,14 @@ def build_selfcheck(
         )
     if early and ignore_eos:
         warnings.append(f"{len(early)} request(s) stopped before max_tokens despite ignore_eos")
-    if done and out["error_rate"] > 0:
+    if answered and out["error_rate"] > 0:
         kinds = ", ".join(f"{k}={v}" for k, v in sorted(errors.items()))
         warnings.append(f"error rate {out['error_rate']:.1%} ({kinds})")
+    if cancelled:
+        warnings.append(
+            f"{cancelled} request(s) cancelled by the run itself (--drain-timeout or an "
+            "interrupt): not errors of the target, left out of the error rate"
+        )
     out["warnings"] = warnings
     out["client_bound"] = bool(bound)
     return out

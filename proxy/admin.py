@@ -23,6 +23,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from proxy.errors import JSON, error_response
+from proxy.logs import OPS
 from proxy.settings import BackendSettings, _first_error
 
 if TYPE_CHECKING:
@@ -76,13 +77,17 @@ class Admin:
                 return _json(describe(pool.get(name)))  # type: ignore[arg-type]
             if method == "DELETE":
                 b = pool.remove(name)
+                self._audit(request, "remove", b)
                 return _json({"removed": name, "in_flight": b.in_flight}, 202)
             return self._no_method(method)
         if len(parts) == 3 and method == "POST":
             if parts[2] == "drain":
-                return _json(pool.drain(name).describe())
+                b = pool.drain(name)
+                self._audit(request, "drain", b)
+                return _json(b.describe())
             if parts[2] == "undrain":
                 b = pool.undrain(name)
+                self._audit(request, "undrain", b)
                 if self.proxy.health is not None:
                     self.proxy.health.kick()
                 return _json(b.describe())
@@ -103,7 +108,30 @@ class Admin:
         if settings.name in self.proxy.pool:
             return error_response(409, f"backend {settings.name!r} exists", "backend_exists")
         b = self.proxy.pool.add(settings)
+        self._audit(request, "add", b)
         return _json(b.describe(), 201)
+
+    def _audit(self, request: web.BaseRequest, action: str, b: Backend) -> None:
+        """One line per change made through the admin API: what, to which backend, by whom."""
+        rid = request.headers.get(self.proxy.settings.server.request_id_header)
+        OPS.info(
+            "admin: %s backend %s (%s, %d in flight) from %s, request %s",
+            action,
+            b.name,
+            b.state.value,
+            b.in_flight,
+            request.remote,
+            rid or "-",
+            extra={
+                "event": "admin",
+                "action": action,
+                "backend": b.name,
+                "state": b.state.value,
+                "in_flight": b.in_flight,
+                "client": request.remote,
+                "request_id": rid,
+            },
+        )
 
     @staticmethod
     def _no_method(method: str) -> web.Response:

@@ -25,7 +25,7 @@ import orjson
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
-from proxy import routes, sequences
+from proxy import logs, routes, sequences
 from proxy.admission import Admission, NoHealthyBackend, QueueBytesFull, QueueFull, QueueTimeout
 from proxy.affinity import CLOSE_SESSION, OPEN_SESSION, RESPONSES, Affinity
 from proxy.backends import Backend, BackendPool, State, default_limit_factory
@@ -34,8 +34,10 @@ from proxy.errors import JSON, error_body, error_response
 from proxy.forward import Forwarder
 from proxy.health import Health
 from proxy.holders import Aborted, Holders, rids
+from proxy.logs import ACCESS, OPS, OUTCOME, Outcome
 from proxy.metrics import CONTENT_TYPE, Metrics, register_adapt_metrics
 from proxy.policies import make_policy
+from proxy.reload import ReloadPlan, plan
 from proxy.routes import ADMITTED, Access
 from proxy.scrape import Scraper
 from proxy.settings import BackendSettings, Settings
@@ -49,6 +51,8 @@ _LEARNS = frozenset({RESPONSES, OPEN_SESSION, CLOSE_SESSION})
 _RESPONSE_PREFIX = RESPONSES + "/"
 #: admin calls after which the backends' model lists are read again
 _ADAPTERS = frozenset({"/load_lora_adapter", "/unload_lora_adapter"})
+#: polled by load balancers and Prometheus: not in the access log
+_NOT_ACCESS_LOGGED = frozenset({"/health", "/metrics"})
 
 
 class _DirectLease:
@@ -94,14 +98,7 @@ class Proxy:
         self._idle: asyncio.Event | None = None  # set when active falls to 0 (wait_idle)
         self._tasks: list[asyncio.Task] = []
         self._rr = itertools.count()
-        self._api_keys = [k.encode() for k in srv.api_keys]
-        self._batch_keys = [k.encode() for k in settings.queue.batch_api_keys]
-        self._admin_key = srv.admin_key.encode() if srv.admin_key else None
-        # /metrics: a client key or the admin key opens it; public when metrics_public is
-        # true, or unset and no client key is set, or when there is no key to ask for
-        self._metrics_keys = [*self._api_keys, *([self._admin_key] if self._admin_key else [])]
-        public = srv.metrics_public if srv.metrics_public is not None else not srv.api_keys
-        self._metrics_public = public or not self._metrics_keys
+        self._apply_keys()
         self._priority_header = settings.queue.priority_header
         self._rid_header = srv.request_id_header
         self._max_body = srv.max_body_bytes
@@ -109,6 +106,18 @@ class Proxy:
         from proxy.admin import Admin
 
         self.admin = Admin(self)
+
+    def _apply_keys(self) -> None:
+        """Client, batch, admin and metrics keys from the settings (at start and on reload)."""
+        srv = self.settings.server
+        self._api_keys = [k.encode() for k in srv.api_keys]
+        self._batch_keys = [k.encode() for k in self.settings.queue.batch_api_keys]
+        self._admin_key = srv.admin_key.encode() if srv.admin_key else None
+        # /metrics: a client key or the admin key opens it; public when metrics_public is
+        # true, or unset and no client key is set, or when there is no key to ask for
+        self._metrics_keys = [*self._api_keys, *([self._admin_key] if self._admin_key else [])]
+        public = srv.metrics_public if srv.metrics_public is not None else not srv.api_keys
+        self._metrics_public = public or not self._metrics_keys
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -174,6 +183,32 @@ class Proxy:
             await asyncio.sleep(0.25)
             self.metrics.loop_lag.observe(max(time.monotonic() - t - 0.25, 0.0))
 
+    def reload(self, new: Settings) -> ReloadPlan:
+        """SIGHUP: apply ``new``'s backend list and every setting that can change while
+        running (proxy/reload.py); the others are returned (and logged) as needing a restart."""
+        p = plan(self.settings, new)
+        for section, update in p.section_updates(new).items():
+            # In place: every component holds this same Settings object.
+            current = getattr(self.settings, section)
+            setattr(self.settings, section, current.model_copy(update=update))
+        if p.live:
+            self._apply_keys()
+            if self.forwarder is not None:
+                self.forwarder.keys_changed()
+            logs.set_level(self.settings.server.log_level)
+        backends = self.reload_backends(new.backends)
+        OPS.info(
+            "SIGHUP: applied %s; backends added %s, removed %s, changed %s; not applied, need a "
+            "restart: %s",
+            ", ".join(p.live) or "no setting",
+            backends["added"],
+            backends["removed"],
+            backends["changed"],
+            ", ".join(p.restart) or "none",
+            extra={"event": "reload", "applied": p.live, "restart_needed": p.restart, **backends},
+        )
+        return p
+
     def reload_backends(self, backends: list[BackendSettings]) -> dict[str, list[str]]:
         """Make the pool match ``backends`` (SIGHUP): new ones are added, missing ones drain
         and leave when idle, changed ones are replaced. Streams in flight are not touched."""
@@ -196,7 +231,6 @@ class Proxy:
             if name not in self.pool:
                 self.pool.add(want)
                 added.append(name)
-        log.info("backends reloaded: added %s, removed %s, changed %s", added, removed, changed)
         return {"added": added, "removed": removed, "changed": changed}
 
     # ---- request handling ------------------------------------------------------------
@@ -204,11 +238,49 @@ class Proxy:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         self.active += 1
         try:
+            if self.settings.server.access_log and request.path not in _NOT_ACCESS_LOGGED:
+                return await self._handle_logged(request)
             return await self._handle(request)
         finally:
             self.active -= 1
             if not self.active and self._idle is not None:
                 self._idle.set()
+
+    async def _handle_logged(self, request: web.BaseRequest) -> web.StreamResponse:
+        """``_handle`` and one access-log line: id, route, backend, status, TTFT, tokens,
+        duration (a client that left before its answer ended: status 499, as nginx logs it)."""
+        t0 = time.monotonic()
+        outcome = request[OUTCOME] = Outcome()
+        status, rid = 499, request.headers.get(self._rid_header)
+        try:
+            resp = await self._handle(request)
+            status, rid = resp.status, resp.headers.get(self._rid_header, rid)
+            return resp
+        finally:
+            duration = time.monotonic() - t0
+            ttft = outcome.ttft
+            ACCESS.info(
+                "%s %s %s backend=%s status=%d ttft_ms=%s tokens=%s duration_ms=%.1f",
+                rid or "-",
+                request.method,
+                request.path[:200],
+                outcome.backend or "-",
+                status,
+                "-" if ttft is None else f"{ttft * 1000:.1f}",
+                "-" if outcome.tokens is None else outcome.tokens,
+                duration * 1000,
+                extra={
+                    "event": "access",
+                    "request_id": rid,
+                    "method": request.method,
+                    "route": request.path[:200],
+                    "backend": outcome.backend,
+                    "status": status,
+                    "ttft_s": ttft,
+                    "tokens": outcome.tokens,
+                    "duration_s": duration,
+                },
+            )
 
     async def wait_idle(self, within: float) -> bool:
         """Wait up to ``within`` s for no request to be in progress; whether none is."""
@@ -796,6 +868,12 @@ class _Server(web.Server):
         )
 
 
+#: the end of the shutdown grace period kept for ending what still runs (at most half of it)
+SHUTDOWN_TAIL_S = 0.5
+#: the least time a request still running at the end of the grace gets to be cancelled
+MIN_CANCEL_S = 0.01
+
+
 class ProxyServer:
     """A Proxy bound to a socket. ``await start()``, then ``await stop(grace)``."""
 
@@ -854,10 +932,18 @@ class ProxyServer:
                 await site.stop()
             if grace is None:
                 grace = self.settings.server.shutdown_grace_s
-            await proxy.wait_idle(grace)
+            # The whole stop fits in ``grace``: its last SHUTDOWN_TAIL_S (at most half) is kept
+            # to end what is still running, so that the exit comes when the docs say it does.
+            deadline = time.monotonic() + grace
+            tail = min(SHUTDOWN_TAIL_S, grace / 2)
+            await proxy.wait_idle(grace - tail)
             if proxy.forwarder is not None and proxy.forwarder.cut_streams():
-                await proxy.wait_idle(1.0)  # their last event and [DONE] go out
-            runner._shutdown_timeout = min(grace, 1.0)  # what is left is cancelled
+                # their SSE error event and [DONE] go out
+                await proxy.wait_idle(max(0.0, deadline - time.monotonic()) / 2)
+            # What is left (requests still waiting for a backend's answer) is cancelled: aiohttp
+            # waits up to this for each handler to end, then as long again once cancelled.
+            left = max(0.0, deadline - time.monotonic())
+            runner._shutdown_timeout = max(left / 2, MIN_CANCEL_S)
             await runner.cleanup()
         await proxy.stop()
 

@@ -7,7 +7,8 @@ SIGTERM/SIGINT: /health answers 503 for ``server.drain_s`` while the proxy still
 stops accepting, lets requests in flight finish for up to ``server.shutdown_grace_s`` (streams
 still running then end with an SSE error event), exits. SIGHUP: re-read the configuration and
 apply its backend list (added ones join, missing ones drain and leave, streams in flight are
-untouched).
+untouched) and the settings that can change while running (keys, log level, access log); any
+other change is logged as needing a restart. ``--check-config`` validates and exits.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Any
 
+from proxy import logs
 from proxy.settings import ConfigError, Settings, load_settings
+from proxy.sources import ENV_PREFIX
 
 log = logging.getLogger("pipefill")
 
@@ -37,6 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policy", help="routing policy (routing.policy)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="log lines as text, or one JSON object per line (server.log_format)",
+    )
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        default=None,
+        help="log one line per request (server.access_log)",
+    )
+    p.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the configuration (file, PIPEFILL_* environment, flags), say what it "
+        "sets up, and exit: 0 if valid, 2 if not",
+    )
     p.add_argument(
         "--print-config-reference",
         action="store_true",
@@ -58,6 +79,10 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         server["port"] = args.port
     if args.log_level is not None:
         server["log_level"] = args.log_level
+    if args.log_format is not None:
+        server["log_format"] = args.log_format
+    if args.access_log is not None:
+        server["access_log"] = args.access_log
     out: dict[str, Any] = {}
     if server:
         out["server"] = server
@@ -84,7 +109,7 @@ async def serve(settings: Settings, config: str | None, overrides: dict[str, Any
         except ConfigError as e:
             log.error("SIGHUP: configuration not reloaded: %s", e)
             return
-        server.proxy.reload_backends(new.backends)
+        server.proxy.reload(new)
 
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
@@ -101,6 +126,27 @@ async def serve(settings: Settings, config: str | None, overrides: dict[str, Any
     log.info("stopped")
 
 
+def describe(settings: Settings, config: str | None) -> str:
+    """``--check-config``'s answer: what this configuration sets up, in a few lines."""
+    srv = settings.server
+    env = sorted(k for k in os.environ if k.upper().startswith(ENV_PREFIX))
+    lines = [
+        f"configuration OK: {config or 'no file'}"
+        + (f" + environment ({', '.join(env)})" if env else ""),
+        f"  listen {srv.host}:{srv.port}, policy {settings.routing.policy}, "
+        f"limits {settings.limits.algorithm}, client keys {len(srv.api_keys)}, "
+        f"admin key {'set' if srv.admin_key else 'unset'}",
+        f"  SIGTERM: /health 503 for {srv.drain_s:g} s, then up to {srv.shutdown_grace_s:g} s "
+        f"for requests in flight (exit within {srv.drain_s + srv.shutdown_grace_s:g} s)",
+    ]
+    if not settings.backends:
+        lines.append("  no backends: every generation request will get 503 no_healthy_backend")
+    for b in settings.backends:
+        hint = f" ({b.parallelism}{b.pp_size or ''})" if b.parallelism else ""
+        lines.append(f"  backend {b.name}{hint}: {b.url}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.print_config_reference or args.print_metrics_reference:
@@ -115,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"proxy: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.server.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if args.check_config:
+        print(describe(settings, args.config))
+        return 0
+    logs.configure(settings.server.log_level, settings.server.log_format)
     try:
         import uvloop
 

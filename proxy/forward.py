@@ -34,6 +34,7 @@ from yarl import URL
 from proxy.backends import Backend, BackendPool
 from proxy.errors import JSON, error_object, error_response, ndjson_error, sse_error
 from proxy.health import Health
+from proxy.logs import OPS, OUTCOME
 from proxy.metrics import Metrics
 from proxy.settings import Settings
 from proxy.sse import NDJSON_APIS, Api, TokenCounter, body_tokens, framer_for
@@ -198,10 +199,15 @@ class Forwarder:
         self._retry_statuses = frozenset(settings.retries.retry_statuses)
         self._backend_header = settings.server.backend_header
         self._rid_header = settings.server.request_id_header
-        # With keys set the Authorization header is the proxy's: never sent upstream.
-        self._strip_auth = bool(settings.server.api_keys or settings.server.admin_key)
+        self.keys_changed()
         self._trust_forwarded = settings.server.trust_forwarded_for
         self._relays: set[_Watchdog] = set()  # responses being relayed (cut on shutdown)
+
+    def keys_changed(self) -> None:
+        """The server's keys were set (at start, or by a reload)."""
+        # With keys set the Authorization header is the proxy's: never sent upstream.
+        srv = self.settings.server
+        self._strip_auth = bool(srv.api_keys or srv.admin_key)
 
     def cut_streams(self) -> int:
         """Shutdown: end every relay in progress (an event stream with an SSE error event);
@@ -253,6 +259,9 @@ class Forwarder:
                 self.metrics.requests.labels("none", route, str(resp.status)).inc()
                 return resp
             backend = lease.backend
+            outcome = request.get(OUTCOME)
+            if outcome is not None:
+                outcome.backend = backend.name
             try:
                 result = await self._attempt(
                     request,
@@ -281,6 +290,21 @@ class Forwarder:
             if not result.retryable or attempt >= self._r.max_attempts:
                 return self._finish_failure(result, route, rid_headers, backend)
             self.metrics.retries.labels(result.kind).inc()
+            OPS.warning(
+                "request %s: %s at backend %s (attempt %d of %d); retrying on another",
+                request_id,
+                result.kind,
+                backend.name,
+                attempt,
+                self._r.max_attempts,
+                extra={
+                    "event": "retry",
+                    "request_id": request_id,
+                    "backend": backend.name,
+                    "kind": result.kind,
+                    "attempt": attempt,
+                },
+            )
             delay = min(self._r.backoff_max_s, self._r.backoff_base_s * 2 ** (attempt - 1))
             if delay > 0:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))
@@ -560,7 +584,8 @@ class Forwarder:
         read_usage = api is not None and resp.status == 200
         if content.at_eof():
             wd.cancel()
-            self._completed(b, bm, resp.status, t_arrive, chunk if read_usage else None)
+            tokens = self._completed(b, bm, resp.status, t_arrive, chunk if read_usage else None)
+            _note(request, None, tokens)
             bm.duration.observe(time.monotonic() - t_arrive)
             self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
             return web.Response(status=resp.status, body=chunk, headers=headers)
@@ -607,15 +632,17 @@ class Forwarder:
         now = monotonic()
         if failure is not None:
             if failure != SHUTDOWN:
+                _log_cut(request_id, b, failure, None)
                 self.metrics.upstream_errors.labels(b.name, failure).inc()
                 self.health.record_failure(b, failure)
                 b.stats.observe_completion(False, failure, now - t_arrive)
             if request.transport is not None:
                 request.transport.abort()  # the body is cut: the client must not take it whole
         else:
-            self._completed(
+            tokens = self._completed(
                 b, bm, resp.status, t_arrive, b"".join(parts) if parts is not None else None, now
             )
+            _note(request, None, tokens)
             await _last_write(request, stall, out.write_eof())
         bm.duration.observe(monotonic() - t_arrive)
         self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
@@ -629,9 +656,9 @@ class Forwarder:
         t_arrive: float,
         body: bytes | None,
         now: float | None = None,
-    ) -> None:
+    ) -> int | None:
         """A whole non-streamed answer arrived: its usage (from ``body``, when given), health
-        and stats."""
+        and stats; its output tokens."""
         now = time.monotonic() if now is None else now
         tokens = body_tokens(body) if body is not None else None
         if tokens:
@@ -644,6 +671,7 @@ class Forwarder:
         b.stats.observe_completion(
             fine, None if fine else f"http_{status}", now - t_arrive, output_tokens=tokens
         )
+        return tokens
 
     async def _stream(
         self,
@@ -740,6 +768,7 @@ class Forwarder:
         if failure == SHUTDOWN:
             message, code, status = "the proxy is shutting down", "shutting_down", 503
         elif failure is not None:
+            _log_cut(request_id, b, failure, counter)
             self.metrics.upstream_errors.labels(b.name, failure).inc()
             self.health.record_failure(b, failure)
             message = {
@@ -763,7 +792,8 @@ class Forwarder:
         else:
             self.health.record_success(b)
         await _last_write(request, stall, out.write_eof())
-        self._account(b, bm, route, out.status, t_arrive, counter, failure)
+        tokens = self._account(b, bm, route, out.status, t_arrive, counter, failure)
+        _note(request, None if first is None else first - t_send, tokens)
         return out
 
     def _account(
@@ -775,7 +805,8 @@ class Forwarder:
         t_arrive: float,
         counter: TokenCounter | None,
         failure: str | None,
-    ) -> None:
+    ) -> int | None:
+        """A stream ended: its tokens, health and stats, metrics; its output tokens."""
         now = time.monotonic()
         tokens = None
         if counter is not None:
@@ -790,6 +821,34 @@ class Forwarder:
             b.stats.observe_completion(ok, kind, now - t_arrive, output_tokens=tokens)
         bm.duration.observe(now - t_arrive)
         self.metrics.requests.labels(b.name, route, str(status)).inc()
+        return tokens
+
+
+def _note(request: web.BaseRequest, ttft: float | None, tokens: int | None) -> None:
+    """For the access log, when it is on (proxy/logs.py)."""
+    outcome = request.get(OUTCOME)
+    if outcome is not None:
+        outcome.ttft, outcome.tokens = ttft, tokens
+
+
+def _log_cut(request_id: str, b: Backend, failure: str, counter: TokenCounter | None) -> None:
+    """A backend failed after bytes reached the client: the one line an SRE looks for."""
+    tokens = (counter.completion_tokens or counter.chunk_tokens) if counter is not None else None
+    OPS.warning(
+        "request %s: backend %s failed mid-response (%s) after %s tokens; the client's "
+        "response is cut",
+        request_id,
+        b.name,
+        failure,
+        tokens if tokens is not None else "?",
+        extra={
+            "event": "stream_failure",
+            "request_id": request_id,
+            "backend": b.name,
+            "kind": failure,
+            "tokens": tokens,
+        },
+    )
 
 
 class _Pending:

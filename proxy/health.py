@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 
 from proxy.backends import Backend, BackendPool, State
+from proxy.logs import OPS
 from proxy.metrics import Metrics
 from proxy.settings import HealthSettings
 
@@ -165,6 +166,20 @@ class Health:
         factor = 2 ** min(b.ejections - 1, 4)
         b.ejected_until = time.monotonic() + self.settings.eject_s * factor
         self.metrics.ejections.labels(b.name).inc()
+        OPS.warning(
+            "backend %s ejected after %s (%d failures in a row); back for a probe in %.0f s",
+            b.name,
+            why,
+            b.consecutive_failures,
+            self.settings.eject_s * factor,
+            extra={
+                "event": "ejection",
+                "backend": b.name,
+                "kind": why,
+                "failures": b.consecutive_failures,
+                "eject_s": self.settings.eject_s * factor,
+            },
+        )
         self._set(b, State.UNHEALTHY, f"ejected after {why}")
         self.kick()
 
@@ -183,8 +198,9 @@ class Health:
                         b.stats.recall_unanswered(b.in_flight)
             if state is State.HEALTHY:
                 b.ejections = 0
-                with contextlib.suppress(AttributeError):
-                    b.stats.mark_restarted()
+                if not b.fresh:  # back after being down (at start-up nothing restarted)
+                    with contextlib.suppress(AttributeError):
+                        b.stats.mark_restarted()
             self.pool.changed(b)
 
 

@@ -150,7 +150,8 @@ class Metrics:
         )
         self.rejections = Counter(
             "pipefill_rejections",
-            "Requests the proxy refused itself, by reason (bad_request, auth, queue_full, ...)",
+            "Requests the proxy refused itself, by reason: the error's code (invalid_json, "
+            "invalid_api_key, queue_full, ...)",
             ["reason"],
             registry=r,
         )
@@ -198,6 +199,12 @@ class _AdaptCollector(Collector):
             "1 for the adaptive limit's current state (start, hold, probe)",
             ["backend", "phase"],
         )
+        decision = gauge(
+            "pipefill_backend_limit_decision",
+            "1 for the code of the limit's last decision, as /admin shows it (start, grow, full, "
+            "probe, server, restart, ...)",
+            ["backend", "code"],
+        )
         itl = gauge("pipefill_backend_itl_seconds", "Current ITL (EWMA, seconds per token)", be)
         ttft = gauge("pipefill_backend_ttft_seconds", "Current TTFT (peak EWMA; errors count)", be)
         tps = gauge("pipefill_backend_tokens_per_second", "Output tokens/s over the last 10 s", be)
@@ -215,7 +222,11 @@ class _AdaptCollector(Collector):
             be,
         )
         age = gauge("pipefill_backend_scrape_age_seconds", "Age of the last successful scrape", be)
-        stale = gauge("pipefill_backend_scrape_stale", "1 if scraped metrics are stale", be)
+        stale = gauge(
+            "pipefill_backend_scrape_stale",
+            "1 if scraped metrics are stale (the scraped_* gauges are then not exported)",
+            be,
+        )
         for b in self._backends():
             n = [b.name]
             snap = b.limit.snapshot()
@@ -224,6 +235,8 @@ class _AdaptCollector(Collector):
                 knee.add_metric(n, k)
             if snap.get("phase") is not None:
                 phase.add_metric([b.name, snap["phase"]], 1.0)
+            if snap.get("decision") is not None:
+                decision.add_metric([b.name, snap["decision"]], 1.0)
             st = b.stats
             if st.itl is not None:
                 itl.add_metric(n, st.itl)
@@ -232,15 +245,16 @@ class _AdaptCollector(Collector):
             tps.add_metric(n, st.tokens_per_s)
             waiting.add_metric(n, st.awaiting)
             sc = st.scrape
+            stale_now = sc.attempted_at is not None and st.scrape_stale()
             for fam, value in ((sq, sc.queue_reqs), (sr, sc.running_reqs), (su, sc.token_usage)):
-                if value is not None:
+                if value is not None and not stale_now:  # a stale value is not exported as now
                     fam.add_metric(n, value)
             a = st.scrape_age()
             if a is not None:
                 age.add_metric(n, a)
             if sc.attempted_at is not None:
-                stale.add_metric(n, 1.0 if st.scrape_stale() else 0.0)
-        yield from (knee, phase, itl, ttft, tps, waiting, sq, sr, su, age, stale)
+                stale.add_metric(n, 1.0 if stale_now else 0.0)
+        yield from (knee, phase, decision, itl, ttft, tps, waiting, sq, sr, su, age, stale)
 
         adm = self._admission
         depth = gauge("pipefill_queue_depth", "Requests waiting in the proxy's queue", ["class"])

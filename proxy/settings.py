@@ -7,7 +7,9 @@ defaults. Every section rejects unknown keys so that a typo fails at start-up, n
 
 from __future__ import annotations
 
+import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -17,13 +19,13 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
 from proxy.admission import QueueSettings
 from proxy.limits import LimitSettings
 from proxy.policies import RoutingSettings
 from proxy.scrape import ScrapeSettings
+from proxy.sources import Layer, SourceError, env_layer, locate, merge
 
 
 class Section(BaseModel):
@@ -71,10 +73,18 @@ class ServerSettings(Section):
         30.0,
         ge=0,
         description="SIGTERM: then the time requests in flight may finish; streams still running "
-        "end with an SSE error event",
+        "end with an SSE error event, and the proxy exits within drain_s + shutdown_grace_s",
     )
     log_prompts: bool = Field(False, description="log request bodies (prompts) at debug level")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines as text, or one JSON object per line (log pipelines)"
+    )
+    access_log: bool = Field(
+        False,
+        description="one line per request: id, route, backend, status, TTFT, tokens, duration "
+        "(not for /health and /metrics)",
+    )
     trust_forwarded_for: bool = Field(
         False,
         description="keep a client's X-Forwarded-For (append its address) and Forwarded: only "
@@ -179,15 +189,20 @@ class BackendSettings(Section):
     def _url(cls, v: str) -> str:
         parts = urlsplit(v)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {v!r}")
+            raise ValueError("expected an http(s) URL with a host, e.g. http://127.0.0.1:30000")
         if parts.username is not None or parts.password is not None:
             raise ValueError("no user:password@ in the URL: give the backend's key as api_key")
         if parts.query or parts.fragment or "?" in v or "#" in v:
-            raise ValueError(f"no query or fragment in a backend URL: {v!r}")
+            raise ValueError("no query or fragment in a backend URL")
         try:
             parts.port  # noqa: B018  (raises on a port that is not a number in range)
         except ValueError:
-            raise ValueError(f"invalid port in {v!r}") from None
+            raise ValueError("the port is not a number from 0 to 65535") from None
+        if parts.path.rstrip("/").rsplit("/", 1)[-1] == "v1":
+            raise ValueError(
+                "the server's root URL, without /v1 (the proxy appends each route's path, "
+                "/v1/chat/completions included), e.g. http://127.0.0.1:30000"
+            )
         return v.rstrip("/")
 
     @field_validator("name")
@@ -206,9 +221,7 @@ class BackendSettings(Section):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="PIPEFILL_", env_nested_delimiter="__", extra="forbid", toml_file=None
-    )
+    model_config = SettingsConfigDict(extra="forbid")
 
     server: ServerSettings = Field(default_factory=ServerSettings)
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
@@ -250,50 +263,78 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if settings_cls.model_config.get("toml_file"):
-            sources.append(TomlConfigSettingsSource(settings_cls))
-        return tuple(sources)
+        # The file and the environment are read by load_settings (proxy/sources.py), which
+        # keeps them apart until validation so that an error can name where a value came from.
+        return (init_settings,)
 
 
 class ConfigError(Exception):
     """A one-line, user-facing configuration problem."""
 
 
-def load_settings(config: str | Path | None = None, **overrides: Any) -> Settings:
-    """Build settings from file + env + ``overrides`` (CLI values; nested dicts merge).
+#: the command-line flags that set a key (for errors: "flag --port")
+FLAGS: dict[tuple[str | int, ...], str] = {
+    ("server", "host"): "--host",
+    ("server", "port"): "--port",
+    ("server", "log_level"): "--log-level",
+    ("server", "log_format"): "--log-format",
+    ("server", "access_log"): "--access-log",
+    ("backends",): "--backend",
+    ("routing", "policy"): "--policy",
+}
 
-    Raises ConfigError with a one-line message naming the offending field.
+
+def load_settings(
+    config: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Build settings from file + ``PIPEFILL_*`` environment + ``overrides`` (CLI values;
+    nested dicts merge), highest last.
+
+    Raises ConfigError with a one-line message naming the source (file, variable or flag), the
+    offending key, and what was expected.
     """
-    toml_file = None
+    layers = [Layer("command line", overrides, {p: f"flag {f}" for p, f in FLAGS.items()})]
+    try:
+        layers.append(env_layer(os.environ if environ is None else environ, Settings))
+    except SourceError as e:
+        raise ConfigError(str(e)) from None
     if config is not None:
         path = Path(config)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            tomllib.loads(path.read_text())
+            layers.append(Layer(str(path), tomllib.loads(path.read_text())))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
-        toml_file = path
-
-    class _FileSettings(Settings):
-        model_config = SettingsConfigDict(toml_file=toml_file)
-
+    merged: dict[str, Any] = {}
+    for layer in reversed(layers):
+        merged = merge(merged, layer.data)
     try:
-        return _FileSettings(**overrides)
+        return Settings(**merged)
     except ValidationError as e:
-        where = f"{config}: " if config else ""
-        raise ConfigError(f"{where}invalid configuration: {_first_error(e)}") from None
-    except ValueError as e:  # e.g. an env value that is not valid JSON
-        raise ConfigError(f"invalid configuration: {e}") from None
+        raise ConfigError(_first_error(e, layers)) from None
 
 
-def _first_error(e: ValidationError) -> str:
+def _first_error(e: ValidationError, layers: list[Layer] | None = None) -> str:
+    """One line: where (file, variable, flag), which key, what is wrong and what was given."""
     errors = e.errors()
     err = errors[0]
-    loc = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"]
+    loc: tuple[str | int, ...] = tuple(err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if not loc and ": " in msg:  # a model-level check names its key first ("backends.x: ...")
+        head, rest = msg.split(": ", 1)
+        if head.split(".", 1)[0] in Settings.model_fields:
+            loc = tuple(int(p) if p.isdigit() else p for p in head.split("."))
+            msg = rest
     if "input" in err and not isinstance(err["input"], dict | list):
-        msg += f" (got {err['input']!r})"
+        got = repr(err["input"])
+        if got not in msg:
+            msg += f" (got {got})"
     more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{loc}: {msg}{more}" if loc else f"{msg}{more}"
+    key = ".".join(str(p) for p in loc)
+    text = f"{key}: {msg}{more}" if key else f"{msg}{more}"
+    where = locate(layers, loc) if layers else None
+    return f"{where}: {text}" if where else text

@@ -838,9 +838,36 @@ def test_unit_signals_match_the_proxy(monkeypatch):
     reload = service["ExecReload"][-1]
     assert "-HUP" in reload and "$MAINPID" in reload
     clear_pipefill_env(monkeypatch)
-    grace = proxy_settings().server.shutdown_grace_s
     stop = seconds(service["TimeoutStopSec"][-1])
-    assert grace < stop <= grace + 15, f"TimeoutStopSec={stop}s vs drain grace {grace}s"
+    assert_stop_timeout(stop, "TimeoutStopSec", monkeypatch)
+
+
+def assert_stop_timeout(stop: float, what: str, monkeypatch) -> None:
+    """A supervisor's stop timeout derived from the proxy's own: the proxy exits within
+    drain_s + shutdown_grace_s of SIGTERM, and the supervisor waits a little longer."""
+    clear_pipefill_env(monkeypatch)
+    srv = proxy_settings().server
+    exits_within = srv.drain_s + srv.shutdown_grace_s
+    assert exits_within + 1 <= stop <= exits_within + 15, (
+        f"{what}={stop}s vs drain_s {srv.drain_s}s + shutdown_grace_s {srv.shutdown_grace_s}s"
+    )
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"--stop-timeout (\d+)",
+        r"stop_grace_period: (\d+)s",
+        r"terminationGracePeriodSeconds: (\d+)",
+        r"TimeoutStopSec=(\d+)",
+    ],
+)
+def test_documented_stop_timeouts_are_derived_from_drain_and_grace(pattern, monkeypatch):
+    text = (ROOT / "docs/deployment.md").read_text()
+    found = re.findall(pattern, text)
+    assert found, f"docs/deployment.md no longer shows {pattern}"
+    for value in found:
+        assert_stop_timeout(float(value), pattern, monkeypatch)
 
 
 def test_unit_is_hardened():

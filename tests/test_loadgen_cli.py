@@ -185,3 +185,32 @@ def test_ctrl_c_stops_cleanly_and_writes_what_was_measured(fake, tmp_path):
     result = RunResult.load(out)
     assert result.levels and result.levels[0].selfcheck["interrupted"]
     assert result.records
+
+
+def test_quick_is_a_one_minute_sweep_and_explicit_flags_win(monkeypatch):
+    from loadtest import run_cli
+    from loadtest.cli import build_parser
+
+    seen = {}
+    monkeypatch.setattr(run_cli, "_validate", lambda args: None)
+
+    class Stop(Exception):
+        pass
+
+    def fake_sweep(options, config):
+        seen.update(warmup=options.warmup, duration=options.duration, drain=options.drain_timeout)
+        raise Stop
+
+    monkeypatch.setattr("loadtest.runner.Sweep", fake_sweep)
+    parser = build_parser(only="run")
+    for argv, want in [
+        (["run", "--url", "http://x", "--quick"], (5.0, 10.0, 5.0)),
+        (["run", "--url", "http://x", "--quick", "--duration", "20"], (5.0, 20.0, 5.0)),
+        (["run", "--url", "http://x"], (15.0, 45.0, 60.0)),
+    ]:
+        with pytest.raises(Stop):
+            run_cli.run(parser.parse_args(argv))
+        assert (seen["warmup"], seen["duration"], seen["drain"]) == want
+        levels = 3  # the default 1,4,32
+        if "--quick" in argv and "--duration" not in argv:
+            assert levels * sum(want) <= 60

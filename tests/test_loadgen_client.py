@@ -237,3 +237,41 @@ async def test_stop_event_ends_a_level_and_keeps_its_records(fake):
     assert res.interrupted
     assert len(res.records) == 2
     assert all(r.error == "cancelled" and r.chunk_tokens > 0 for r in res.records)
+
+
+async def test_a_proxy_target_is_recorded_as_a_proxy_with_what_it_fronts():
+    """Through pipefill, /get_server_info is answered by any one backend: the run records
+    the proxy and its backends instead of passing one backend off as the target."""
+    from proxy_support import fakes, running_proxy
+
+    from loadtest.client import server_info
+    from loadtest.runner import _server_summary
+
+    async with fakes(2) as ups, running_proxy([u.url for u in ups]) as px:
+        names = sorted(b.name for b in px.proxy.pool.all())
+        target = Target(px.url)
+        session = make_session(target, 2)
+        try:
+            keyless = await server_info(session, target)  # the route is the admin's: refused
+            direct = await server_info(session, Target(ups[0].url))
+        finally:
+            await session.close()
+    assert keyless["proxy"] == "pipefill"
+    assert sorted(f.split(" ")[0] for f in keyless["fronts"]) == names
+    assert "proxy" not in direct  # a server is recorded as itself
+    async with (
+        fakes(2) as ups,
+        running_proxy([u.url for u in ups], server={"admin_key": "adm"}) as px,
+    ):
+        names = sorted(b.name for b in px.proxy.pool.all())
+        target = Target(px.url, headers={"Authorization": "Bearer adm"})
+        session = make_session(target, 2)
+        try:
+            info = await server_info(session, target)
+        finally:
+            await session.close()
+    assert info["proxy"] == "pipefill" and info["answered_by"] in names
+    assert sorted(f.split(" ")[0] for f in info["fronts"]) == names
+    assert info["backend_info"]["served_by"] in ("fake0", "fake1")
+    summary = _server_summary(info)
+    assert summary["proxy"] == "pipefill" and "answered_by" not in summary

@@ -174,3 +174,19 @@ def test_percentile_matches_numpy_linear():
     xs = [rng.random() for _ in range(101)]
     for q in (0, 50, 90, 99, 100):
         assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_requests_the_run_cancelled_itself_are_not_errors():
+    """--drain-timeout or Ctrl-C cancelled them: counted apart, outside the error rate."""
+    records = [_rec(), _rec(worker=1), _rec(worker=0, t_send=1.0, t_end=1.5, error="cancelled")]
+    check = build_selfcheck(records, requested_concurrency=2, dispatch_delays=[1e-4],
+                            loop_lag=[1e-4], cpu_fraction=0.1, window=(0.0, 2.0),
+                            ignore_eos=True)  # fmt: skip
+    assert check["errors"] == {} and check["error_rate"] == 0.0 and check["cancelled"] == 1
+    assert not any(w.startswith("error rate") for w in check["warnings"])
+    assert any(w.startswith("1 request(s) cancelled by the run itself") for w in check["warnings"])
+    records.append(_rec(worker=1, t_send=1.0, t_end=1.5, error="http_5xx"))
+    check = build_selfcheck(records, requested_concurrency=2, dispatch_delays=[1e-4],
+                            loop_lag=[1e-4], cpu_fraction=0.1, window=(0.0, 2.0),
+                            ignore_eos=True)  # fmt: skip
+    assert check["error_rate"] == pytest.approx(1 / 3)  # of the 3 the target answered

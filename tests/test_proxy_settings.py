@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,92 @@ def test_invalid_values_name_the_field(tmp_path, text, needle):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "nope.toml")
+
+
+# ---- errors name their source: the variable, the flag or the file, and the exact key --------
+
+
+@pytest.mark.parametrize(
+    ("env", "needles"),
+    [
+        (
+            {"PIPEFILL_SERVER__PORT": "abc"},
+            ["environment variable PIPEFILL_SERVER__PORT", "server.port", "integer", "'abc'"],
+        ),
+        (
+            {"PIPEFILL_SERVER__API_KEYS": "k1"},
+            ["PIPEFILL_SERVER__API_KEYS", "server.api_keys", "JSON list", "'k1'"],
+        ),
+        (
+            {"PIPEFILL_BACKENDS": '{"url": "http://a:1"}'},
+            ["environment variable PIPEFILL_BACKENDS", "backends", "list"],
+        ),
+        (
+            {"PIPEFILL_BACKENDS": "[{"},
+            ["PIPEFILL_BACKENDS", "JSON list of tables"],
+        ),
+        (
+            {"PIPEFILL_SERVR__PORT": "9001"},
+            ["PIPEFILL_SERVR__PORT", "no such setting", "did you mean PIPEFILL_SERVER__PORT"],
+        ),
+        ({"PIPEFILL_HEALTH__NOPE": "1"}, ["PIPEFILL_HEALTH__NOPE", "no such setting"]),
+    ],
+)
+def test_environment_errors_name_the_variable_and_what_was_expected(tmp_path, env, needles):
+    cfg = tmp_path / "p.toml"
+    cfg.write_text("[server]\nport = 1000\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg, environ=env)
+    message = str(info.value)
+    assert all(n in message for n in needles), message
+    assert str(cfg) not in message  # the file is not to blame
+    assert "EnvSettingsSource" not in message and "\n" not in message
+
+
+def test_environment_names_are_case_insensitive_and_other_variables_ignored():
+    s = load_settings(None, environ={"pipefill_server__port": "7", "PATH": "/bin"})
+    assert s.server.port == 7
+
+
+def test_file_errors_name_the_file_and_flag_errors_the_flag(tmp_path):
+    cfg = tmp_path / "p.toml"
+    cfg.write_text("[server]\nport = 'x'\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg, environ={})
+    assert str(info.value).startswith(f"{cfg}: server.port:")
+    # the environment's value wins over the file's, so a bad file value is not the error
+    assert load_settings(cfg, environ={"PIPEFILL_SERVER__PORT": "5"}).server.port == 5
+    args = build_parser().parse_args(["--backend", "localhost:3000"])
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, environ={}, **overrides_from(args))
+    message = str(info.value)
+    assert message.startswith("flag --backend: backends.0.url:")
+    assert message.count("localhost:3000") == 1  # the value once, not twice
+    assert "http://" in message  # what was expected
+
+
+@pytest.mark.parametrize("url", ["http://h:1/v1", "http://h:1/v1/", "http://h:1/sglang/v1"])
+def test_a_backend_url_ending_in_v1_is_refused_with_the_fix(url):
+    with pytest.raises(ConfigError, match="without /v1"):
+        load_settings(None, environ={}, backends=[{"url": url}])
+
+
+def test_a_url_with_a_path_prefix_is_still_allowed():
+    s = load_settings(None, environ={}, backends=[{"url": "http://h:1/sglang/"}])
+    assert s.backends[0].url == "http://h:1/sglang"
+
+
+def test_check_config_validates_and_exits(tmp_path, capsys, monkeypatch):
+    from proxy.cli import main
+
+    for key in list(os.environ):
+        if key.upper().startswith("PIPEFILL_"):
+            monkeypatch.delenv(key)
+    assert main(["--config", str(ROOT / "config/proxy.toml"), "--check-config"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("configuration OK")
+    assert all(f"backend {n}" in out for n in ("pp8", "tp8", "ep8"))
+    monkeypatch.setenv("PIPEFILL_SERVER__PORT", "abc")
+    assert main(["--config", str(ROOT / "config/proxy.toml"), "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "PIPEFILL_SERVER__PORT" in err and "Traceback" not in err

@@ -342,3 +342,63 @@ def test_merge_keeps_each_machines_self_check_warnings():
     assert check["client_cpu"] == 0.97
     assert "b.json: CLIENT IS THE BOTTLENECK: cpu" in check["warnings"]
     assert len(check["merged"]) == 2
+
+
+# ------------------------------------------------------------ what a report says of its run
+
+
+def test_an_interrupted_run_is_announced_first():
+    from loadtest.report import INTERRUPTED_BANNER, header_lines
+
+    run = make_run((1,))
+    assert INTERRUPTED_BANNER not in header_lines(run.metadata)
+    run.metadata["interrupted"] = True
+    assert header_lines(run.metadata)[0] == INTERRUPTED_BANNER
+
+
+def test_runs_are_named_by_what_they_measured():
+    from loadtest.report import plot_title, run_label
+    from loadtest.report_cli import _names
+
+    proxy = {
+        "target": "http://127.0.0.1:8080",
+        "server": {"proxy": "pipefill", "fronts": ["pp8 (pp, healthy)", "tp8 (tp, healthy)"]},
+        "workload": {"api": "chat"},
+    }
+    direct = {"target": "http://127.0.0.1:30001", "server": {"sim_profile": "tp8"}}
+    assert run_label(proxy) == "proxy (pp8, tp8) @ 127.0.0.1:8080"
+    assert run_label(direct) == "tp8 @ 127.0.0.1:30001"
+    assert run_label({}) is None
+    assert plot_title(proxy) == "proxy (pp8, tp8) @ 127.0.0.1:8080 · api=chat"
+    a, b, c = make_run((1,)), make_run((1,)), make_run((1,))
+    a.metadata, b.metadata = proxy, direct
+    assert _names(["x/run1.json", "y/run2.json"], [a, b]) == [run_label(proxy), run_label(direct)]
+    c.metadata = dict(direct)
+    # two runs that read the same keep their files' names beside
+    assert _names(["r1.json", "r2.json"], [b, c]) == [
+        "tp8 @ 127.0.0.1:30001 (r1)",
+        "tp8 @ 127.0.0.1:30001 (r2)",
+    ]
+
+
+def test_the_plot_is_titled_and_its_legends_sit_outside_the_data(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from loadtest import plot
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    run = make_run((1, 4))
+    run.metadata.update(target="http://127.0.0.1:30001", server={"sim_profile": "tp8"})
+    plot.plot_sweep(run, tmp_path / "p.png")
+    (fig,) = figures
+    assert fig.get_suptitle().startswith("tp8 @ 127.0.0.1:30001")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert box.y1 <= area.y0 + 1, "a legend overlaps its panel's data area"
