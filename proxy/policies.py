@@ -18,8 +18,8 @@ between. Policies read backends duck-typed: ``name``, ``weight``, ``in_flight``,
   every candidate (mean measured output length), so only the backend's speed decides.
 
 A backend without measurements yet (new, restarted, or failing) ranks first in the latency
-policies so that it gets probed; admission caps such an untrusted backend at
-``probe_in_flight`` requests until its first token arrives.
+policies so that it gets probed; admission caps a backend whose latest request failed at
+``probe_in_flight`` requests until one succeeds (a new one passed its health checks).
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ class RoutingSettings(BaseModel):
 
     policy: PolicyName = "latency"
     probe_in_flight: int = Field(
-        1, ge=1, description="requests an untrusted (new/failing) backend may hold at once"
+        1,
+        ge=1,
+        description="requests a backend whose latest request failed may hold until one succeeds",
     )
     default_output_tokens: int = Field(
         128, ge=1, description="latency policy: output length assumed before any is measured"

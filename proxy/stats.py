@@ -490,10 +490,12 @@ class BackendStats:
 
     @property
     def trusted(self) -> bool:
-        """A backend is trusted once it has answered (first byte, first token or a completed
-        request) and its latest request did not fail."""
-        answered = self.first_bytes > 0 or self.ttft_count > 0 or self.completions_ok > 0
-        return answered and self.consecutive_errors == 0
+        """A backend is trusted unless its latest request failed; admission gives an untrusted
+        one ``probe_in_flight`` requests until one succeeds. A new backend has passed its
+        health checks before it is routable: holding it to one request until its first answer
+        sent every waiting request to whichever backend answered first when prefills are long
+        (a cold start behind a few long prompts)."""
+        return self.consecutive_errors == 0
 
     def scrape_age(self, now: float | None = None) -> float | None:
         if self.scrape.ok_at is None:

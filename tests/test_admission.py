@@ -198,17 +198,28 @@ async def test_wake_hands_out_slots_after_a_limit_grows():
     assert waiter.done() and a.in_flight == 2
 
 
-async def test_untrusted_backend_gets_one_probe_request():
-    new = FakeBackend("new", 8, trusted=False)
-    adm = admission([new], probe_in_flight=1)
+async def test_a_backend_whose_last_request_failed_gets_one_probe_request():
+    failing = FakeBackend("failing", 8)
+    failing.stats.observe_completion(False, "disconnect", 0.001)
+    adm = admission([failing], probe_in_flight=1)
     await adm.acquire()
     waiter = asyncio.create_task(adm.acquire())
     await settle()
     assert not waiter.done()
-    new.stats.observe_first_byte()  # it answered: trusted
+    failing.stats.observe_completion(True, None, 0.001)  # it answered again: trusted
     adm.wake()
     await settle()
-    assert waiter.done() and new.in_flight == 2
+    assert waiter.done() and failing.in_flight == 2
+
+
+async def test_a_new_backend_gets_its_whole_limit_before_its_first_answer():
+    """It passed its health checks to be routable; a long first prefill must not hold it to
+    one request while the queue piles onto another backend."""
+    new = FakeBackend("new", 8, trusted=False)
+    adm = admission([new], probe_in_flight=1)
+    for _ in range(8):
+        await asyncio.wait_for(adm.acquire(), 1.0)
+    assert new.in_flight == 8
 
 
 class RecordingLimit:
