@@ -32,7 +32,6 @@ Backends are duck-typed: ``name``, ``routable``, ``in_flight`` (int, written her
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -43,6 +42,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.control import LimitControl
+from proxy.tasks import stop_task
 
 log = logging.getLogger("proxy.admission")
 
@@ -320,10 +320,7 @@ class Admission:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
     async def _control_loop(self) -> None:
         while True:

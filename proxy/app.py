@@ -41,6 +41,7 @@ from proxy.reload import ReloadPlan, plan
 from proxy.routes import ADMITTED, Access
 from proxy.scrape import Scraper
 from proxy.settings import BackendSettings, Settings
+from proxy.tasks import stop_task
 
 log = logging.getLogger("pipefill")
 
@@ -165,8 +166,7 @@ class Proxy:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            await stop_task(t)
         self._tasks.clear()
         await self.discovery.close()
         if self.health is not None:

@@ -11,13 +11,13 @@ The resolver is injectable (``Resolver``): tests resolve names to 127.0.0.x with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from proxy.settings import BackendSettings
+from proxy.tasks import stop_task
 
 log = logging.getLogger("pipefill.discovery")
 
@@ -97,7 +97,4 @@ class Discovery:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)

@@ -22,6 +22,7 @@ from proxy.backends import Backend, BackendPool, State
 from proxy.logs import OPS
 from proxy.metrics import Metrics
 from proxy.settings import HealthSettings
+from proxy.tasks import stop_task
 
 log = logging.getLogger("pipefill.health")
 
@@ -48,11 +49,8 @@ class Health:
         self._task = asyncio.create_task(self._run(), name="pipefill-health")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)
 
     def kick(self) -> None:
         """Check now (a backend was added or changed)."""

@@ -32,7 +32,6 @@ scrape that fails or times out leaves the last values in place and ages them;
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -42,6 +41,8 @@ from typing import Any
 import aiohttp
 import orjson
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from proxy.tasks import stop_task
 
 log = logging.getLogger("proxy.scrape")
 
@@ -334,10 +335,7 @@ class Scraper:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         if self._own_session and self._session is not None:
             await self._session.close()
             self._session = None

@@ -258,7 +258,10 @@ def test_parse_v1_loads_rows():
 async def test_scraper_reads_the_ep8_simulator_with_dp_attention_and_priority():
     """The simulator's ep8 profile writes SGLang's label sets (8 DP ranks, priority totals and
     breakdowns, per-process series): the scraper reads the server's true running count."""
-    async with running_sim("ep8", overrides={"priority_scheduling": True}) as (url, sim):
+    # modelled time runs at wall speed: the 80 answers cannot finish (or fill the KV pool) while
+    # the test reads the gauges, however slowly a loaded machine gets there
+    ep8 = {"priority_scheduling": True}
+    async with running_sim("ep8", time_scale=1.0, overrides=ep8) as (url, sim):
         body = {
             "text": ["hello there"] * 80,
             "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True},
