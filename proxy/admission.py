@@ -42,6 +42,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.control import LimitControl
+from proxy.policies import Policy
+from proxy.routed import Routed
 from proxy.tasks import stop_task
 
 log = logging.getLogger("proxy.admission")
@@ -118,7 +120,7 @@ class Lease:
     def __init__(
         self,
         admission: Admission,
-        backend: Any,
+        backend: Routed,
         priority: Priority,
         waited_s: float,
         slots: int = 1,
@@ -173,8 +175,8 @@ class Admission:
 
     def __init__(
         self,
-        pool: Any,
-        policy: Any,
+        pool: Iterable[Routed],
+        policy: Policy,
         *,
         max_queue: int = 1024,
         queue_deadline_s: float = 30.0,
@@ -216,7 +218,12 @@ class Admission:
 
     @classmethod
     def from_settings(
-        cls, pool: Any, policy: Any, queue: QueueSettings, *, probe_in_flight: int = 1
+        cls,
+        pool: Iterable[Routed],
+        policy: Policy,
+        queue: QueueSettings,
+        *,
+        probe_in_flight: int = 1,
     ) -> Admission:
         return cls(
             pool,
@@ -383,20 +390,14 @@ class Admission:
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _backends(self) -> list[Any]:
-        pool = self.pool
-        if hasattr(pool, "list"):
-            return list(pool.list())
-        if hasattr(pool, "backends"):
-            b = pool.backends
-            return list(b.values()) if isinstance(b, dict) else list(b)
-        return list(pool)
+    def _backends(self) -> list[Routed]:
+        return list(self.pool)
 
     @staticmethod
-    def _usable(b: Any, exclude: frozenset[str]) -> bool:
+    def _usable(b: Routed, exclude: frozenset[str]) -> bool:
         return bool(b.routable) and b.name not in exclude
 
-    def _cap(self, b: Any) -> int:
+    def _cap(self, b: Routed) -> int:
         cap = int(b.limit.limit)
         if not b.stats.trusted:
             cap = min(cap, self.probe_in_flight)
@@ -411,14 +412,14 @@ class Admission:
                 return False
         return False
 
-    def _fits(self, b: Any, seqs: int) -> bool:
+    def _fits(self, b: Routed, seqs: int) -> bool:
         """Room for ``seqs`` slots: that many free, or (a batch larger than the limit) idle."""
         cap = self._cap(b)
         return b.in_flight + seqs <= cap or (b.in_flight == 0 and cap > 0)
 
     def _bind(
         self,
-        backends: list[Any],
+        backends: list[Routed],
         exclude: frozenset[str],
         priority: Priority,
         waited: float,
@@ -438,7 +439,7 @@ class Admission:
         self.admitted[priority] += 1
         return Lease(self, b, priority, waited, slots)
 
-    def _release(self, b: Any, slots: int = 1) -> None:
+    def _release(self, b: Routed, slots: int = 1) -> None:
         b.in_flight = max(0, b.in_flight - slots)
         b.stats.observe_in_flight(b.in_flight, b.limit.limit)
         backends = self._backends()
@@ -446,7 +447,7 @@ class Admission:
         self.control.tick(backends, now)
         self._dispatch(backends, now)
 
-    def _dispatch(self, backends: list[Any], now: float) -> None:
+    def _dispatch(self, backends: list[Routed], now: float) -> None:
         if not self.depth:
             return
         try:
@@ -454,7 +455,7 @@ class Admission:
         finally:
             self._note_waiters(backends)
 
-    def _hand_out(self, backends: list[Any], now: float) -> None:
+    def _hand_out(self, backends: list[Routed], now: float) -> None:
         for p in PRIORITIES:
             q = self._queues[p]
             for key in list(q):
@@ -492,7 +493,7 @@ class Admission:
         w.fut.set_exception(QueueTimeout(waited))
         self._note_waiters()
 
-    def _note_waiters(self, backends: list[Any] | None = None) -> None:
+    def _note_waiters(self, backends: list[Routed] | None = None) -> None:
         """Tell every backend's stats how many requests wait here: a backend at its limit while
         they do is under *pressure* (demand above its limit), which its limit reads. Each is
         told its share of the queue, split by limits, so that a limit climbing under a backlog
@@ -501,10 +502,9 @@ class Admission:
         backends = self._backends() if backends is None else backends
         total = sum(b.limit.limit for b in backends if b.routable)
         for b in backends:
-            note = getattr(b.stats, "observe_waiters", None)
-            if note is not None:
-                share = depth if not total else math.ceil(depth * b.limit.limit / total)
-                note(share)
+            b.stats.observe_waiters(
+                depth if not total else math.ceil(depth * b.limit.limit / total)
+            )
 
     def _reject(
         self, reason: str, priority: str | None = None, waited: float | None = None

@@ -95,7 +95,6 @@ class Backend:
         return True
 
     def describe(self) -> dict:
-        limit = getattr(self.limit, "limit", None)
         out = {
             "name": self.name,
             "url": self.url,
@@ -103,7 +102,7 @@ class Backend:
             "routable": self.routable,
             "removing": self.removing,
             "in_flight": self.in_flight,
-            "limit": limit,
+            "limit": self.limit.limit,
             "weight": self.weight,
             "parallelism": self.parallelism,
             "pp_size": self.pp_size,
@@ -114,9 +113,7 @@ class Backend:
             "models": [m.get("id") for m in self.models],
         }
         out["limit_state"] = self.limit.snapshot()
-        snapshot = getattr(self.stats, "snapshot", None)
-        if callable(snapshot):
-            out["stats"] = snapshot()
+        out["stats"] = self.stats.snapshot()
         return out
 
     def __repr__(self) -> str:
@@ -167,8 +164,6 @@ class BackendPool:
         if self._leaving:
             return [*self._backends.values(), *self._leaving]
         return list(self._backends.values())
-
-    list = all  # the name proxy/admission.py looks for
 
     def names(self) -> list[str]:
         return list(self._backends)

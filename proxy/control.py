@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
 
 from proxy.limits import Decision
+from proxy.routed import Routed
+from proxy.stats import BackendStats
 
 log = logging.getLogger("proxy.limits")
 
@@ -35,11 +36,14 @@ class LimitControl:
     """Windows and decisions for every backend (state: which backends are settling)."""
 
     def __init__(self) -> None:
-        self._settling: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._settling: weakref.WeakKeyDictionary[BackendStats, bool]
+        self._settling = weakref.WeakKeyDictionary()
         #: the server's max_running_requests each backend's limit has been given
-        self._told: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
+        self._told: weakref.WeakKeyDictionary[BackendStats, int | None] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    def tick(self, backends: list[Any], now: float) -> list[tuple[Any, Decision]]:
+    def tick(self, backends: list[Routed], now: float) -> list[tuple[Routed, Decision]]:
         """Feed every backend whose window is complete; returns the decisions made."""
         out = []
         for b in backends:
@@ -48,7 +52,7 @@ class LimitControl:
                 out.append((b, d))
         return out
 
-    def _step(self, b: Any, now: float) -> Decision | None:
+    def _step(self, b: Routed, now: float) -> Decision | None:
         st, lim = b.stats, b.limit
         settling = self._settling.get(st, False)
         word = st.scrape.max_running_requests
@@ -78,7 +82,7 @@ class LimitControl:
         return d
 
     @staticmethod
-    def _complete(b: Any, now: float, settling: bool) -> bool:
+    def _complete(b: Routed, now: float, settling: bool) -> bool:
         s = b.limit.settings
         age = now - b.stats.window_started
         if age >= s.max_window_s:

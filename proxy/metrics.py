@@ -73,9 +73,7 @@ class _PoolCollector(Collector):
             healthy.add_metric([b.name], 1.0 if b.state is State.HEALTHY else 0.0)
             for s in State:
                 state.add_metric([b.name, s.value], 1.0 if b.state is s else 0.0)
-            value = getattr(b.limit, "limit", None)
-            if isinstance(value, int | float):
-                limit.add_metric([b.name], value)
+            limit.add_metric([b.name], b.limit.limit)
         yield from (in_flight, healthy, state, limit)
 
 
@@ -230,7 +228,7 @@ class _AdaptCollector(Collector):
         for b in self._backends():
             n = [b.name]
             snap = b.limit.snapshot()
-            k = getattr(b.limit, "knee", None)
+            k = b.limit.knee
             if k is not None:
                 knee.add_metric(n, k)
             if snap.get("phase") is not None:

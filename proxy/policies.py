@@ -30,6 +30,8 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.routed import Routed
+
 PolicyName = Literal["latency", "p2c_peak_ewma", "round_robin", "least_in_flight"]
 
 
@@ -53,12 +55,11 @@ class RoutingSettings(BaseModel):
 class Policy(Protocol):
     name: str
 
-    def pick(self, candidates: list[Any]) -> Any: ...
+    def pick(self, candidates: list[Routed]) -> Routed: ...
 
 
-def _weight(b: Any) -> float:
-    w = getattr(b, "weight", 1.0) or 1.0
-    return max(float(w), 1e-6)
+def _weight(b: Routed) -> float:
+    return max(float(b.weight or 1.0), 1e-6)
 
 
 class RoundRobin:
@@ -67,7 +68,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._current: dict[str, float] = {}
 
-    def pick(self, candidates: list[Any]) -> Any:
+    def pick(self, candidates: list[Routed]) -> Routed:
         total = 0.0
         best = None
         best_cw = 0.0
@@ -89,7 +90,7 @@ class LeastInFlight:
     def __init__(self) -> None:
         self._tick = itertools.count()
 
-    def pick(self, candidates: list[Any]) -> Any:
+    def pick(self, candidates: list[Routed]) -> Routed:
         n = len(candidates)
         offset = next(self._tick) % n
         rotated = candidates[offset:] + candidates[:offset]
@@ -105,13 +106,13 @@ class P2CPeakEwma:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def cost(self, b: Any) -> float:
+    def cost(self, b: Routed) -> float:
         rtt = b.stats.ttft
         if rtt is None or rtt == 0:
             return self.PENALTY + b.in_flight if b.in_flight else 0.0
         return rtt * (b.in_flight + 1) / _weight(b)
 
-    def pick(self, candidates: list[Any]) -> Any:
+    def pick(self, candidates: list[Routed]) -> Routed:
         if len(candidates) == 1:
             return candidates[0]
         a, b = self._rng.sample(candidates, 2)
@@ -125,16 +126,16 @@ class Latency:
         self.default_output_tokens = default_output_tokens
         self._tick = itertools.count()
 
-    def expected_completion(self, b: Any, out_tokens: float) -> float:
+    def expected_completion(self, b: Routed, out_tokens: float) -> float:
         """Seconds until a request sent to ``b`` now would finish (-1: no data, probe it)."""
         ttft, itl = b.stats.ttft, b.stats.itl_at(b.in_flight + 1)
         if ttft is None or itl is None:
             return -1.0
-        knee = getattr(b.limit, "knee", None) or b.limit.limit
+        knee = b.limit.knee or b.limit.limit
         slowdown = max(1.0, (b.in_flight + 1) / max(knee, 1))
         return (ttft + out_tokens * itl * slowdown) / _weight(b)
 
-    def pick(self, candidates: list[Any]) -> Any:
+    def pick(self, candidates: list[Routed]) -> Routed:
         outs = [b.stats.output_tokens for b in candidates if b.stats.output_tokens]
         out = sum(outs) / len(outs) if outs else float(self.default_output_tokens)
         n = len(candidates)
@@ -145,9 +146,9 @@ class Latency:
 
 def make_policy(name: str | RoutingSettings = "latency", **kwargs: Any) -> Policy:
     """Build a policy by name (or from ``RoutingSettings``)."""
-    if not isinstance(name, str):  # RoutingSettings (or anything shaped like it)
-        kwargs.setdefault("seed", getattr(name, "seed", None))
-        kwargs.setdefault("default_output_tokens", getattr(name, "default_output_tokens", 128))
+    if isinstance(name, RoutingSettings):
+        kwargs.setdefault("seed", name.seed)
+        kwargs.setdefault("default_output_tokens", name.default_output_tokens)
         name = name.policy
     if name == "round_robin":
         return RoundRobin()

@@ -42,6 +42,7 @@ import aiohttp
 import orjson
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from proxy.routed import Scraped
 from proxy.tasks import stop_task
 
 log = logging.getLogger("proxy.scrape")
@@ -222,13 +223,8 @@ class Scraper:
         s = self.s
         return max(s.interval_s * s.stale_after_intervals, s.interval_s + 2 * s.timeout_s)
 
-    def _backends(self) -> list[Any]:
-        pool = self.pool
-        if hasattr(pool, "all"):
-            return list(pool.all())
-        if hasattr(pool, "list"):
-            return list(pool.list())
-        return list(pool)
+    def _backends(self) -> list[Scraped]:
+        return list(self.pool)
 
     async def _get(self, url: str, headers: dict[str, str] | None) -> bytes:
         if self._session is None:
@@ -247,7 +243,7 @@ class Scraper:
         if backend.name in self.unsupported:
             return False
         stats.stale_after_s = self.stale_after_s
-        api_key = getattr(backend, "api_key", None)
+        api_key = backend.api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         base = str(backend.url).rstrip("/")
         try:

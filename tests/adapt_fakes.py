@@ -31,6 +31,7 @@ class FakeBackend:
     ) -> None:
         self.name = name
         self.url = url
+        self.api_key: str | None = None
         self.weight = weight
         self.routable = True
         self.in_flight = 0

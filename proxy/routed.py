@@ -1,0 +1,30 @@
+"""A backend as the request path's decisions see it: admission binds to it, the control loop
+feeds its limit, the policies rank it, the scraper reads it. proxy/backends.py's ``Backend`` is
+the real one; tests and the virtual-time harness pass their own."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from proxy.limits import Limit
+from proxy.stats import BackendStats
+
+
+class Routed(Protocol):
+    name: str
+    weight: float
+    in_flight: int
+    limit: Limit
+    stats: BackendStats
+
+    @property
+    def routable(self) -> bool: ...
+
+
+class Scraped(Protocol):
+    """What the scraper needs besides the stats it fills."""
+
+    name: str
+    url: str
+    api_key: str | None
+    stats: BackendStats
