@@ -18,7 +18,8 @@ and "mid-stream" (bytes had reached the client; by design never retried). From t
 per event: when the victim held nothing any more, when the survivors plus the proxy's queue
 held all the clients, when the survivors' token rate was back, and after the backend came back
 when it was healthy again and its limit back at 90% of its pre-fault knee (the level the limit
-had measured; the pre-fault limit, which also holds probes and headroom, is shown beside it).
+had measured; the pre-fault limit, which also holds probes and headroom, is shown beside it;
+a backend never seen full has no knee, and its pre-fault limit is the level).
 The proxy's timeouts are
 scaled with the time scale (first byte 1.5, idle 1.0 modelled s). Times are modelled seconds.
 Results: benchmarks/results/faults.{md,json}.
@@ -27,6 +28,7 @@ Results: benchmarks/results/faults.{md,json}.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import statistics
@@ -161,8 +163,10 @@ def main() -> int:
         others = [n for n in NAMES if n != victim]
         base_rate = rate(NAMES, te)
         pre_limit = pre(victim, "limit", te)
-        # The knee the limit had measured: the limit itself also holds probes and headroom.
+        # The knee the limit had measured: the limit itself also holds probes and headroom. A
+        # backend never seen full has no knee: its limit is then the level to recover.
         pre_knee = pre(victim, "knee", te)
+        level = pre_limit if math.isnan(pre_knee) else pre_knee
         d: dict[str, Any] = {
             "at": te,
             "pre_total_tok_s": base_rate,
@@ -198,7 +202,7 @@ def main() -> int:
             tb, lambda t, s: s[victim]["limit"] >= 0.9 * pre_limit and s[victim]["in_flight"] > 0
         )
         d["knee_recovered_after_s"] = first(
-            tb, lambda t, s: s[victim]["limit"] >= 0.9 * pre_knee and s[victim]["in_flight"] > 0
+            tb, lambda t, s: s[victim]["limit"] >= 0.9 * level and s[victim]["in_flight"] > 0
         )
         d["victim_limit_end"] = samples[-1][1][victim]["limit"] if samples else None
         d["victim_in_flight_end_mean"] = statistics.fmean(
@@ -233,8 +237,8 @@ def main() -> int:
         "",
         "| event | victim in flight / limit / knee before | victim empty after | all clients held "
         "by survivors + queue after | survivors' tok/s back to 90% of before | healthy after "
-        "return | serving after return | limit back to 90% of the knee after return | limit "
-        "back to 90% of the limit after return | limit at end |",
+        "return | serving after return | limit back to 90% of the knee (or limit) after return "
+        "| limit back to 90% of the limit after return | limit at end |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for ev, d in report.items():
@@ -259,7 +263,8 @@ def main() -> int:
         "",
         f"No request lost before bytes: **{'met' if not lost_before else 'NOT met'}**. "
         f"Traffic moved within 2 s: **{'met' if moved else 'NOT met'}**. Health and limit "
-        f"recovered (to 90% of the pre-fault knee): **{'met' if recovered else 'NOT met'}**.",
+        f"recovered (to 90% of the pre-fault knee, or limit if none): "
+        f"**{'met' if recovered else 'NOT met'}**.",
         "",
         "Time series around each event (modelled s; in flight/limit/state per backend, proxy "
         "queue):",
