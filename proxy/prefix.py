@@ -265,6 +265,23 @@ class Estimate(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class _Fleet:
+    """What the routable fleet has in flight, and the sum of its limits."""
+
+    in_flight: int
+    limit: int
+
+    @classmethod
+    def of(cls, backends: Sequence[Routed]) -> _Fleet:
+        in_flight = limit = 0
+        for x in backends:
+            if x.routable:
+                in_flight += x.in_flight
+                limit += x.limit.limit
+        return cls(in_flight, limit)
+
+
+@dataclass(frozen=True, slots=True)
 class _Scored:
     cost: float
     claim: float
@@ -299,15 +316,12 @@ class PrefixRouting:
     def within_bound(self, b: Routed, backends: Sequence[Routed]) -> bool:
         """One more request keeps ``b`` within ``load_factor`` x its share (by limit) of what
         the routable fleet would have in flight (consistent hashing with bounded loads)."""
-        total_limit = 0
-        total = 1
-        for x in backends:
-            if x.routable:
-                total_limit += x.limit.limit
-                total += x.in_flight
-        if total_limit <= 0:
+        return self._within(b, _Fleet.of(backends))
+
+    def _within(self, b: Routed, fleet: _Fleet) -> bool:
+        if fleet.limit <= 0:
             return True
-        bound = math.ceil(self.load_factor * total * b.limit.limit / total_limit)
+        bound = math.ceil(self.load_factor * (fleet.in_flight + 1) * b.limit.limit / fleet.limit)
         return b.in_flight + 1 <= bound
 
     def pick(
@@ -319,11 +333,12 @@ class PrefixRouting:
             b = candidates[0]
             return b, matched.get(b.name, 0)
         out = self.estimate.mean_output(candidates)
+        fleet = _Fleet.of(backends)
         scored = []
         for b in candidates:
             blocks = matched.get(b.name, 0)
             claim = 0.0
-            if blocks and self.within_bound(b, backends):
+            if blocks and self._within(b, fleet):
                 claim = prompt.fraction(blocks) * self.index.trust(b.name)
             cost = self.estimate.expected_completion(b, out, claim)
             scored.append(_Scored(cost, claim, b, blocks))
@@ -332,7 +347,7 @@ class PrefixRouting:
         if claimed:
             s = max(claimed, key=lambda s: (s.claim, -s.cost))
             return s.backend, s.blocks
-        bounded = [s.backend for s in near if self.within_bound(s.backend, backends)]
+        bounded = [s.backend for s in near if self._within(s.backend, fleet)]
         b = rendezvous(prompt.hashes[0], bounded or [s.backend for s in near])
         return b, matched.get(b.name, 0)
 
