@@ -12,6 +12,7 @@ without backend URLs (Proxy.admin_access).
     POST   /admin/backends/{name}/undrain  back to probing -> healthy
     DELETE /admin/backends/{name}          drain, then forget once its last request ended
     GET    /admin/queue                    the admission queue's state
+    GET    /admin/prefix                   prefix routing: the index, hit rates per backend
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class Admin:
         pool = self.proxy.pool
         if parts == ["queue"] and method == "GET":
             return _json(self.proxy.admission.snapshot())
+        if parts == ["prefix"] and method == "GET":
+            return _json(self._prefix())
         if not parts or parts[0] != "backends":
             return error_response(404, f"no admin route {request.path}", "not_found")
         if len(parts) == 1:
@@ -132,6 +135,27 @@ class Admin:
                 "request_id": rid,
             },
         )
+
+    def _prefix(self) -> dict:
+        """Prefix routing's index (size, per backend the predicted hit rate and the trust in
+        its claims) beside each backend's reported hit rate."""
+        prefix = self.proxy.prefix
+        out: dict = {"enabled": prefix is not None}
+        if prefix is not None:
+            out["block_chars"] = prefix.block_chars
+            out["load_factor"] = prefix.load_factor
+            out["lookahead"] = prefix.lookahead
+            out["lookahead_age_s"] = prefix.lookahead_age_s
+            out["index"] = prefix.index.snapshot()
+        out["reported"] = {
+            b.name: {
+                "prompt_tokens": b.stats.reported_prompt_tokens,
+                "cached_tokens": b.stats.cached_tokens,
+                "hit_rate": b.stats.cached_hit_rate,
+            }
+            for b in self.proxy.pool.all()
+        }
+        return out
 
     @staticmethod
     def _no_method(method: str) -> web.Response:

@@ -20,6 +20,15 @@ larger than a backend's whole limit takes all of it, never more). While it waits
 its class nothing behind it in that class or a lower one is handed a slot, so single requests
 cannot starve it; the slots free up for it as requests end.
 
+With prefix affinity (``prefix``, proxy/prefix.py) a request carries its prompt's block hashes
+(``acquire(prompt=...)``): the bind asks prefix routing instead of the policy, and the index learns
+where the prompt went. And a freed slot may go past the head of a class: the backend the head
+would be bound to takes, of the first ``lookahead`` waiters of that class, the one whose prompt it
+holds most of (by the index), if that one holds more than the head's. Fairness: FIFO within a
+class otherwise; a waiter that has waited ``lookahead_age_s`` is never passed over (so no one
+waits more than that longer than FIFO would make it); a batch never goes before an interactive
+request; a head of many sequences is not passed.
+
 Every rejection is counted by reason. ``lease.release()`` is idempotent; it frees the slot and
 hands it to the next waiter. ``admission.wake()`` re-runs dispatch after backends, health or
 limits changed. After every release, and from a background task (``start()``) when traffic is
@@ -37,12 +46,14 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.control import LimitControl
 from proxy.policies import Policy
+from proxy.prefix import PrefixRouting, Prompt
 from proxy.routed import Routed
 from proxy.tasks import stop_task
 
@@ -115,7 +126,15 @@ class NoHealthyBackend(AdmissionError):
 class Lease:
     """One admitted request's ``slots`` on ``backend``. ``release()`` is idempotent."""
 
-    __slots__ = ("_admission", "_released", "backend", "priority", "slots", "waited_s")
+    __slots__ = (
+        "_admission",
+        "_released",
+        "backend",
+        "predicted",
+        "priority",
+        "slots",
+        "waited_s",
+    )
 
     def __init__(
         self,
@@ -124,12 +143,16 @@ class Lease:
         priority: Priority,
         waited_s: float,
         slots: int = 1,
+        predicted: float | None = None,
     ) -> None:
         self._admission = admission
         self.backend = backend
         self.priority = priority
         self.waited_s = waited_s
         self.slots = slots
+        #: the fraction of the prompt prefix routing expected the backend to hold (None: the
+        #: request was not routed by its prompt)
+        self.predicted = predicted
         self._released = False
 
     @property
@@ -142,6 +165,12 @@ class Lease:
         self._released = True
         self._admission._release(self.backend, self.slots)
 
+    def reported(self, prompt_tokens: int | None, cached_tokens: int) -> None:
+        """The backend's answer said ``cached_tokens`` of its ``prompt_tokens`` were cached."""
+        prefix = self._admission.prefix
+        if prefix is not None and self.predicted is not None:
+            prefix.report(self.backend.name, self.predicted, prompt_tokens, cached_tokens)
+
     def __enter__(self) -> Lease:
         return self
 
@@ -150,7 +179,7 @@ class Lease:
 
 
 class _Waiter:
-    __slots__ = ("enqueued", "exclude", "fut", "priority", "seqs", "size", "timer")
+    __slots__ = ("enqueued", "exclude", "fut", "priority", "prompt", "seqs", "size", "timer")
 
     def __init__(
         self,
@@ -160,6 +189,7 @@ class _Waiter:
         now: float,
         size: int = 0,
         seqs: int = 1,
+        prompt: Prompt | None = None,
     ) -> None:
         self.fut = fut
         self.priority = priority
@@ -167,6 +197,7 @@ class _Waiter:
         self.enqueued = now
         self.size = size
         self.seqs = seqs
+        self.prompt = prompt
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -184,9 +215,11 @@ class Admission:
         probe_in_flight: int = 1,
         control_interval_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        prefix: PrefixRouting | None = None,
     ) -> None:
         self.pool = pool
         self.policy = policy
+        self.prefix = prefix
         self.max_queue = max_queue
         self.max_queued_bytes = max_queued_bytes  # 0: no cap
         self.queued_bytes = 0  # request body bytes held by waiters
@@ -224,10 +257,12 @@ class Admission:
         queue: QueueSettings,
         *,
         probe_in_flight: int = 1,
+        prefix: PrefixRouting | None = None,
     ) -> Admission:
         return cls(
             pool,
             policy,
+            prefix=prefix,
             max_queue=queue.max_length,
             queue_deadline_s=queue.deadline_s,
             max_queued_bytes=queue.max_queued_bytes,
@@ -246,6 +281,7 @@ class Admission:
         front: bool = False,
         size: int = 0,
         seqs: int = 1,
+        prompt: Prompt | None = None,
     ) -> Lease:
         """Wait for a slot and bind a backend. ``deadline``: longest wait in seconds (default
         the queue's ``deadline_s``). ``exclude``: backend names not to use (retries).
@@ -253,7 +289,8 @@ class Admission:
         is never refused for a full queue (it was admitted once already); its caller passes
         what is left of its deadline. ``size``: the request body's bytes, held while it waits
         (a recalled request's count but never refuse it). ``seqs``: the sequences it runs, the
-        slots it takes (see the module docstring)."""
+        slots it takes (see the module docstring). ``prompt``: its block hashes, for prefix
+        routing (proxy/prefix.py)."""
         if priority not in self._queues:
             priority = "interactive"
         exclude = frozenset(exclude)
@@ -264,8 +301,10 @@ class Admission:
             self._reject("no_healthy_backend")
             raise NoHealthyBackend()
         seqs = max(int(seqs), 1)
+        if self.prefix is None:
+            prompt = None
         if front or not self._ahead(priority):
-            lease = self._bind(backends, exclude, priority, 0.0, seqs)
+            lease = self._bind(backends, exclude, priority, 0.0, seqs, prompt)
             if lease is not None:
                 return lease
         if self.depth >= self.max_queue and not front:
@@ -274,7 +313,7 @@ class Admission:
         if self.max_queued_bytes and not front and self.queued_bytes + size > self.max_queued_bytes:
             self._reject("queue_bytes_full")
             raise QueueBytesFull(self.retry_after())
-        return await self._wait(priority, exclude, now, deadline, front, size, seqs)
+        return await self._wait(priority, exclude, now, deadline, front, size, seqs, prompt)
 
     async def _wait(
         self,
@@ -285,9 +324,10 @@ class Admission:
         front: bool = False,
         size: int = 0,
         seqs: int = 1,
+        prompt: Prompt | None = None,
     ) -> Lease:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), priority, exclude, now, size, seqs)
+        waiter = _Waiter(loop.create_future(), priority, exclude, now, size, seqs, prompt)
         self.queued_bytes += size
         self._seq += 1
         key = self._seq
@@ -424,20 +464,29 @@ class Admission:
         priority: Priority,
         waited: float,
         seqs: int = 1,
+        prompt: Prompt | None = None,
     ) -> Lease | None:
-        if seqs == 1:
-            cands = [b for b in backends if self._usable(b, exclude) and b.in_flight < self._cap(b)]
-        else:
-            cands = [b for b in backends if self._usable(b, exclude) and self._fits(b, seqs)]
+        cands = self._free(backends, exclude, seqs)
         if not cands:
             return None
-        b = self.policy.pick(cands) if len(cands) > 1 else cands[0]
+        predicted = None
+        if prompt is not None and self.prefix is not None:
+            b, blocks = self.prefix.pick(cands, prompt, backends)
+            predicted = self.prefix.learn(b, prompt, blocks)
+        else:
+            b = self.policy.pick(cands) if len(cands) > 1 else cands[0]
         slots = min(seqs, max(self._cap(b), 1))  # never more than the whole limit
         # No await between the pick and this increment.
         b.in_flight += slots
         b.stats.observe_in_flight(b.in_flight, b.limit.limit)
         self.admitted[priority] += 1
-        return Lease(self, b, priority, waited, slots)
+        return Lease(self, b, priority, waited, slots, predicted)
+
+    def _free(self, backends: list[Routed], exclude: frozenset[str], seqs: int) -> list[Routed]:
+        """The candidates: usable, not excluded, with room for ``seqs`` slots."""
+        if seqs == 1:
+            return [b for b in backends if self._usable(b, exclude) and b.in_flight < self._cap(b)]
+        return [b for b in backends if self._usable(b, exclude) and self._fits(b, seqs)]
 
     def _release(self, b: Routed, slots: int = 1) -> None:
         b.in_flight = max(0, b.in_flight - slots)
@@ -474,8 +523,14 @@ class Admission:
                     self._usable(b, frozenset()) and b.in_flight < self._cap(b) for b in backends
                 ):
                     return  # no free slot anywhere: nothing more to hand out
+                while self._pulled_past(backends, q, key, w, p, now):
+                    if not any(
+                        self._usable(b, frozenset()) and b.in_flight < self._cap(b)
+                        for b in backends
+                    ):
+                        return  # a later waiter took the last free slot; w stays first
                 waited = now - w.enqueued
-                lease = self._bind(backends, w.exclude, p, waited, w.seqs)
+                lease = self._bind(backends, w.exclude, p, waited, w.seqs, w.prompt)
                 if lease is None:
                     if w.seqs > 1:
                         return  # a batch at the head waits for its slots: nobody jumps it
@@ -483,6 +538,57 @@ class Admission:
                 q.pop(key, None)
                 self._observe_wait(p, waited, "admitted")
                 w.fut.set_result(lease)
+
+    def _pulled_past(
+        self,
+        backends: list[Routed],
+        q: dict[int, _Waiter],
+        key: int,
+        w: _Waiter,
+        p: Priority,
+        now: float,
+    ) -> bool:
+        """The backend ``w`` would be bound to takes instead the waiter among the first
+        ``lookahead`` of its class whose prompt it holds more of than ``w``'s (the backend
+        pulls the work its cache fits); False when none does, or ``w`` may not be passed (it
+        waited ``lookahead_age_s``, has no prompt, or runs many sequences)."""
+        prefix = self.prefix
+        if (
+            prefix is None
+            or prefix.lookahead <= 1
+            or w.prompt is None
+            or w.seqs > 1
+            or now - w.enqueued >= prefix.lookahead_age_s
+        ):
+            return False
+        cands = self._free(backends, w.exclude, 1)
+        if not cands:
+            return False
+        b, best = prefix.pick(cands, w.prompt, backends)
+        chosen: tuple[int, _Waiter] | None = None
+        for k2, w2 in islice(q.items(), prefix.lookahead):
+            if (
+                k2 == key
+                or w2.prompt is None
+                or w2.seqs > 1
+                or w2.fut.done()
+                or b.name in w2.exclude
+            ):
+                continue
+            blocks = prefix.index.matched(w2.prompt, b.name)
+            if blocks > best:
+                best, chosen = blocks, (k2, w2)
+        if chosen is None:
+            return False
+        k2, w2 = chosen
+        waited = now - w2.enqueued
+        lease = self._bind([b], w2.exclude, p, waited, 1, w2.prompt)
+        if lease is None:
+            return False
+        q.pop(k2, None)
+        self._observe_wait(p, waited, "admitted")
+        w2.fut.set_result(lease)
+        return True
 
     def _expire(self, priority: Priority, key: int) -> None:
         w = self._queues[priority].pop(key, None)

@@ -35,8 +35,13 @@ from proxy.forward import Forwarder
 from proxy.health import Health
 from proxy.holders import Aborted, Holders, rids
 from proxy.logs import ACCESS, OPS, OUTCOME, Outcome
-from proxy.metrics import CONTENT_TYPE, Metrics, register_adapt_metrics
-from proxy.policies import make_policy
+from proxy.metrics import (
+    CONTENT_TYPE,
+    Metrics,
+    register_adapt_metrics,
+    register_prefix_metrics,
+)
+from proxy.policies import make_policy, make_prefix_routing
 from proxy.reload import ReloadPlan, plan
 from proxy.routes import ADMITTED, Access
 from proxy.scrape import Scraper
@@ -67,6 +72,9 @@ class _DirectLease:
     def release(self) -> None:
         pass
 
+    def reported(self, prompt_tokens: int | None, cached_tokens: int) -> None:
+        pass
+
 
 class Proxy:
     """State and request handling of one proxy instance (no sockets: see ProxyServer)."""
@@ -77,11 +85,19 @@ class Proxy:
         self.pool = BackendPool(lambda b: default_limit_factory(self.settings.backend_limits(b), b))
         self.metrics = Metrics(self.pool.all)
         self.policy = make_policy(settings.routing)
+        self.prefix = make_prefix_routing(settings.routing, self.policy)
         self.admission = Admission.from_settings(
-            self.pool, self.policy, settings.queue, probe_in_flight=settings.routing.probe_in_flight
+            self.pool,
+            self.policy,
+            settings.queue,
+            probe_in_flight=settings.routing.probe_in_flight,
+            prefix=self.prefix,
         )
         self.pool.listeners.append(lambda _b: self.admission.wake())
         register_adapt_metrics(self.metrics, self.pool.all, self.admission)
+        register_prefix_metrics(
+            self.metrics, self.pool.all, self.prefix.index if self.prefix else None
+        )
         for b in settings.backends:
             if b.discover == "static":
                 self.pool.add(b)
@@ -431,6 +447,7 @@ class Proxy:
             size = len(body or b"")
             names = rids(obj) if obj is not None else []
             held = self.holders.track(names) if names else None
+            prompt = self.prefix.prompt(obj) if self.prefix is not None else None
             allowed = {pinned} if pinned is not None else Affinity.serving(obj, self.pool.all())
             elsewhere = (
                 frozenset(b.name for b in self.pool.all() if b.name not in allowed)
@@ -444,7 +461,13 @@ class Proxy:
                     waited = time.monotonic() - t_arrive
                     deadline = self.admission.queue_deadline_s - waited
                 acquiring = self.admission.acquire(
-                    priority, exclude | elsewhere, deadline, front=recalled, size=size, seqs=seqs
+                    priority,
+                    exclude | elsewhere,
+                    deadline,
+                    front=recalled,
+                    size=size,
+                    seqs=seqs,
+                    prompt=prompt,
                 )
                 if held is None:
                     return acquiring

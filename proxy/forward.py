@@ -37,7 +37,7 @@ from proxy.health import Health
 from proxy.logs import OPS, OUTCOME
 from proxy.metrics import Metrics
 from proxy.settings import Settings
-from proxy.sse import NDJSON_APIS, Api, TokenCounter, body_tokens, framer_for
+from proxy.sse import NDJSON_APIS, Api, TokenCounter, body_usage, framer_for
 
 log = logging.getLogger("pipefill.forward")
 
@@ -66,11 +66,22 @@ DECODED = frozenset({"gzip", "deflate", "br", "zstd"})
 
 
 class Lease:
-    """What admission hands out: a backend with a slot held until ``release()``."""
+    """What admission hands out: a backend with a slot held until ``release()``;
+    ``reported``: what the backend's answer said of its prefix cache."""
 
     backend: Backend
 
     def release(self) -> None: ...
+
+    def reported(self, prompt_tokens: int | None, cached_tokens: int) -> None: ...
+
+
+@dataclass(slots=True)
+class Usage:
+    """The prompt side of one answer's usage, as the backend reported it (None: not said)."""
+
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 #: ``acquire(exclude, recalled)``: a lease on a backend not in ``exclude``; ``recalled``: the
@@ -262,6 +273,7 @@ class Forwarder:
             outcome = request.get(OUTCOME)
             if outcome is not None:
                 outcome.backend = backend.name
+            usage = Usage()
             try:
                 result = await self._attempt(
                     request,
@@ -273,12 +285,16 @@ class Forwarder:
                     route=route,
                     request_id=request_id,
                     t_arrive=t_arrive,
+                    usage=usage,
                 )
             finally:
                 lease.release()
                 if backend.removing:
                     self.pool.reap(backend)
             if not isinstance(result, Failure):
+                if usage.cached_tokens is not None:
+                    backend.stats.observe_cached(usage.prompt_tokens, usage.cached_tokens)
+                    lease.reported(usage.prompt_tokens, usage.cached_tokens)
                 return result
             recalled = result.kind == RECALLED
             if recalled:  # not a failure of the backend: wait in the proxy's queue instead
@@ -420,9 +436,10 @@ class Forwarder:
         route: str,
         request_id: str,
         t_arrive: float,
+        usage: Usage,
     ) -> web.StreamResponse | Failure:
         headers = self._upstream_headers(request, b, request_id)
-        pending = _Pending(b.stats, time.monotonic(), streamed)
+        pending = _Pending(b.stats, time.monotonic(), streamed, usage)
         try:
             return await self._exchange(
                 request, body, b, target, headers, pending, api, route, request_id, t_arrive
@@ -502,7 +519,9 @@ class Forwarder:
                 return await self._stream(
                     request, resp, b, api, route, request_id, t_arrive, pending, deadline
                 )
-            return await self._whole(request, resp, b, api, route, request_id, t_arrive, deadline)
+            return await self._whole(
+                request, resp, b, api, route, request_id, t_arrive, pending, deadline
+            )
         finally:
             resp.close() if not resp.closed and not _done(resp) else resp.release()
 
@@ -556,6 +575,7 @@ class Forwarder:
         route: str,
         request_id: str,
         t_arrive: float,
+        pending: _Pending,
         deadline: float,
     ) -> web.StreamResponse | Failure:
         """A response that is not an event stream, relayed chunk by chunk as it arrives (never
@@ -584,7 +604,9 @@ class Forwarder:
         read_usage = api is not None and resp.status == 200
         if content.at_eof():
             wd.cancel()
-            tokens = self._completed(b, bm, resp.status, t_arrive, chunk if read_usage else None)
+            tokens = self._completed(
+                b, bm, resp.status, t_arrive, chunk if read_usage else None, pending.usage
+            )
             _note(request, None, tokens)
             bm.duration.observe(time.monotonic() - t_arrive)
             self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
@@ -639,9 +661,8 @@ class Forwarder:
             if request.transport is not None:
                 request.transport.abort()  # the body is cut: the client must not take it whole
         else:
-            tokens = self._completed(
-                b, bm, resp.status, t_arrive, b"".join(parts) if parts is not None else None, now
-            )
+            whole = b"".join(parts) if parts is not None else None
+            tokens = self._completed(b, bm, resp.status, t_arrive, whole, pending.usage, now)
             _note(request, None, tokens)
             await _last_write(request, stall, out.write_eof())
         bm.duration.observe(monotonic() - t_arrive)
@@ -655,12 +676,17 @@ class Forwarder:
         status: int,
         t_arrive: float,
         body: bytes | None,
+        usage: Usage,
         now: float | None = None,
     ) -> int | None:
-        """A whole non-streamed answer arrived: its usage (from ``body``, when given), health
-        and stats; its output tokens."""
+        """A whole non-streamed answer arrived: its usage (from ``body``, when given: the prompt
+        side into ``usage``), health and stats; its output tokens."""
         now = time.monotonic() if now is None else now
-        tokens = body_tokens(body) if body is not None else None
+        tokens = None
+        if body is not None:
+            said = body_usage(body)
+            tokens = said.completion_tokens
+            usage.prompt_tokens, usage.cached_tokens = said.prompt_tokens, said.cached_tokens
         if tokens:
             bm.tokens.inc(tokens)
             b.stats.observe_tokens(tokens, now)
@@ -756,11 +782,15 @@ class Forwarder:
                     break
         except asyncio.CancelledError:
             bm.disconnects.inc()
-            self._account(b, bm, route, out.status, t_arrive, counter, "client_disconnect")
+            self._account(
+                b, bm, route, out.status, t_arrive, counter, "client_disconnect", pending.usage
+            )
             raise
         except ConnectionError:  # the client went away (write failed)
             bm.disconnects.inc()
-            self._account(b, bm, route, out.status, t_arrive, counter, "client_disconnect")
+            self._account(
+                b, bm, route, out.status, t_arrive, counter, "client_disconnect", pending.usage
+            )
             return out
         finally:
             wd.cancel()
@@ -792,7 +822,7 @@ class Forwarder:
         else:
             self.health.record_success(b)
         await _last_write(request, stall, out.write_eof())
-        tokens = self._account(b, bm, route, out.status, t_arrive, counter, failure)
+        tokens = self._account(b, bm, route, out.status, t_arrive, counter, failure, pending.usage)
         _note(request, None if first is None else first - t_send, tokens)
         return out
 
@@ -805,11 +835,14 @@ class Forwarder:
         t_arrive: float,
         counter: TokenCounter | None,
         failure: str | None,
+        usage: Usage,
     ) -> int | None:
-        """A stream ended: its tokens, health and stats, metrics; its output tokens."""
+        """A stream ended: its tokens, health and stats, metrics (the prompt side of its usage
+        into ``usage``); its output tokens."""
         now = time.monotonic()
         tokens = None
         if counter is not None:
+            usage.prompt_tokens, usage.cached_tokens = counter.prompt_tokens, counter.cached_tokens
             tokens = counter.completion_tokens or counter.chunk_tokens
             if tokens:
                 bm.tokens.inc(tokens)
@@ -864,10 +897,11 @@ class _Pending:
     queued from running.
     """
 
-    __slots__ = ("_key", "_stats", "_task", "recallable", "recalled", "t_send")
+    __slots__ = ("_key", "_stats", "_task", "recallable", "recalled", "t_send", "usage")
 
-    def __init__(self, stats: Any, t_send: float, streamed: bool) -> None:
+    def __init__(self, stats: Any, t_send: float, streamed: bool, usage: Usage) -> None:
         self.t_send = t_send
+        self.usage = usage
         self._stats = stats
         self._task = asyncio.current_task() if streamed else None
         self.recallable = False

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from proxy.backends import Backend, State
+from proxy.prefix import PrefixIndex
 
 disable_created_metrics()  # no *_created series: they double the output for no use here
 
@@ -290,3 +291,86 @@ def register_adapt_metrics(
         registry=metrics.registry,
     )
     admission.on_wait = lambda cls, waited, outcome: wait.labels(cls, outcome).observe(waited)
+
+
+class _PrefixCollector(Collector):
+    """Prefix-cache hit rates per backend: as the proxy's index predicted them (routing text
+    matched over routed) and as the backends reported them (cached over prompt tokens)."""
+
+    def __init__(self, backends: Callable[[], Iterable[Backend]], index: PrefixIndex | None):
+        self._backends = backends
+        self._index = index
+
+    def collect(self):
+        be = ["backend"]
+        reported_prompt = CounterMetricFamily(
+            "pipefill_backend_reported_prompt_tokens",
+            "Prompt tokens of answers that reported their cached tokens",
+            labels=be,
+        )
+        cached = CounterMetricFamily(
+            "pipefill_backend_cached_tokens",
+            "Prompt tokens the backend reported found in its prefix cache "
+            "(usage.prompt_tokens_details.cached_tokens, meta_info.cached_tokens)",
+            labels=be,
+        )
+        reported_rate = GaugeMetricFamily(
+            "pipefill_backend_prefix_hit_rate_reported",
+            "Cached over prompt tokens, as the backend reported them (since start)",
+            labels=be,
+        )
+        for b in self._backends():
+            st = b.stats
+            reported_prompt.add_metric([b.name], st.reported_prompt_tokens)
+            cached.add_metric([b.name], st.cached_tokens)
+            if st.cached_hit_rate is not None:
+                reported_rate.add_metric([b.name], st.cached_hit_rate)
+        yield from (reported_prompt, cached, reported_rate)
+        index = self._index
+        if index is None:
+            return
+        chars = CounterMetricFamily(
+            "pipefill_backend_prompt_chars",
+            "Routing-text bytes of the requests bound to the backend by prefix routing",
+            labels=be,
+        )
+        matched = CounterMetricFamily(
+            "pipefill_backend_prefix_matched_chars",
+            "Of those, the bytes the prefix index predicted the backend held cached",
+            labels=be,
+        )
+        predicted = GaugeMetricFamily(
+            "pipefill_backend_prefix_hit_rate_predicted",
+            "Matched over routed routing-text bytes, as the prefix index predicted (since start)",
+            labels=be,
+        )
+        trust = GaugeMetricFamily(
+            "pipefill_backend_prefix_trust",
+            "Weight of the index's claims on the backend: EWMA of reported / predicted cached "
+            "fraction (1 until it reports)",
+            labels=be,
+        )
+        for b in self._backends():
+            bp = index.backends.get(b.name)
+            chars.add_metric([b.name], bp.prompt_chars if bp else 0)
+            matched.add_metric([b.name], bp.matched_chars if bp else 0)
+            if bp is not None and bp.prompt_chars:
+                predicted.add_metric([b.name], bp.matched_chars / bp.prompt_chars)
+            trust.add_metric([b.name], index.trust(b.name))
+        size = GaugeMetricFamily(
+            "pipefill_prefix_index_bytes", "Memory of the prefix index (entries x entry size)"
+        )
+        size.add_metric([], index.bytes)
+        entries = GaugeMetricFamily(
+            "pipefill_prefix_index_entries", "Chained block hashes held by the prefix index"
+        )
+        entries.add_metric([], index.entries)
+        yield from (chars, matched, predicted, trust, size, entries)
+
+
+def register_prefix_metrics(
+    metrics: Metrics, backends: Callable[[], Iterable[Backend]], index: PrefixIndex | None
+) -> None:
+    """Add the prefix-cache hit rates (and, with prefix affinity on, the index's) to
+    ``metrics.registry``."""
+    metrics.registry.register(_PrefixCollector(backends, index))

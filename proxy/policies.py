@@ -17,6 +17,11 @@ between. Policies read backends duck-typed: ``name``, ``weight``, ``in_flight``,
   number of requests it drains in parallel before queueing; ``out_tokens`` is the same for
   every candidate (mean measured output length), so only the backend's speed decides.
 
+With ``prefix_affinity`` on, the latency policy also reads the prompt: a request with one is ranked
+by proxy/prefix.py (the expected completion with the TTFT discounted by the prefix a backend is
+expected to hold, under a bounded load; rendezvous hashing for a cold prefix). The other policies
+never read prompts.
+
 A backend without measurements yet (new, restarted, or failing) ranks first in the latency
 policies so that it gets probed; admission caps a backend whose latest request failed at
 ``probe_in_flight`` requests until one succeeds (a new one passed its health checks).
@@ -26,10 +31,12 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.prefix import PrefixIndex, PrefixRouting
 from proxy.routed import Routed
 
 PolicyName = Literal["latency", "p2c_peak_ewma", "round_robin", "least_in_flight"]
@@ -50,6 +57,39 @@ class RoutingSettings(BaseModel):
         128, ge=1, description="latency policy: output length assumed before any is measured"
     )
     seed: int | None = Field(None, description="p2c_peak_ewma: random seed (tests)")
+    prefix_affinity: bool = Field(
+        True,
+        description="latency policy: weigh the prompt prefix each backend is expected to hold "
+        "cached (its TTFT discounted by it), under a bounded load; false: prompts are not read",
+    )
+    prefix_block_chars: int = Field(
+        128,
+        ge=16,
+        le=4096,
+        description="prefix affinity: bytes of routing text per hashed block (the match unit)",
+    )
+    prefix_index_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=64 * 1024,
+        description="prefix affinity: memory cap of the index of blocks routed (LRU)",
+    )
+    prefix_load_factor: float = Field(
+        1.25,
+        ge=1.0,
+        description="prefix affinity: a backend with more in flight than this times its share "
+        "(by limit) of the fleet's loses its claim to a prefix",
+    )
+    prefix_lookahead: int = Field(
+        8,
+        ge=1,
+        description="prefix affinity: a freed slot may go to the best-matching of this many "
+        "oldest waiters of the first class waiting (1: strict FIFO)",
+    )
+    prefix_lookahead_age_s: float = Field(
+        1.0,
+        ge=0,
+        description="prefix affinity: a waiter that waited this long is not passed over",
+    )
 
 
 class Policy(Protocol):
@@ -126,18 +166,24 @@ class Latency:
         self.default_output_tokens = default_output_tokens
         self._tick = itertools.count()
 
-    def expected_completion(self, b: Routed, out_tokens: float) -> float:
-        """Seconds until a request sent to ``b`` now would finish (-1: no data, probe it)."""
+    def expected_completion(self, b: Routed, out_tokens: float, cached: float = 0.0) -> float:
+        """Seconds until a request sent to ``b`` now would finish (-1: no data, probe it).
+        ``cached``: the fraction of its prompt ``b`` is expected to hold in its prefix cache,
+        prefill it skips (proxy/prefix.py): it discounts the TTFT by as much."""
         ttft, itl = b.stats.ttft, b.stats.itl_at(b.in_flight + 1)
         if ttft is None or itl is None:
             return -1.0
         knee = b.limit.knee or b.limit.limit
         slowdown = max(1.0, (b.in_flight + 1) / max(knee, 1))
-        return (ttft + out_tokens * itl * slowdown) / _weight(b)
+        return (ttft * (1.0 - cached) + out_tokens * itl * slowdown) / _weight(b)
+
+    def mean_output(self, candidates: Sequence[Routed]) -> float:
+        """The output length every candidate is judged on: the mean measured one."""
+        outs = [b.stats.output_tokens for b in candidates if b.stats.output_tokens]
+        return sum(outs) / len(outs) if outs else float(self.default_output_tokens)
 
     def pick(self, candidates: list[Routed]) -> Routed:
-        outs = [b.stats.output_tokens for b in candidates if b.stats.output_tokens]
-        out = sum(outs) / len(outs) if outs else float(self.default_output_tokens)
+        out = self.mean_output(candidates)
         n = len(candidates)
         offset = next(self._tick) % n  # rotate so exact ties spread
         rotated = candidates[offset:] + candidates[:offset]
@@ -161,4 +207,18 @@ def make_policy(name: str | RoutingSettings = "latency", **kwargs: Any) -> Polic
     raise ValueError(
         f"unknown routing policy {name!r} (choose latency, p2c_peak_ewma, round_robin, "
         "least_in_flight)"
+    )
+
+
+def make_prefix_routing(settings: RoutingSettings, policy: Policy) -> PrefixRouting | None:
+    """Prefix affinity for the latency policy when ``prefix_affinity`` is on; else None."""
+    if not settings.prefix_affinity or not isinstance(policy, Latency):
+        return None
+    return PrefixRouting(
+        PrefixIndex(settings.prefix_index_bytes),
+        policy,
+        block_chars=settings.prefix_block_chars,
+        load_factor=settings.prefix_load_factor,
+        lookahead=settings.prefix_lookahead,
+        lookahead_age_s=settings.prefix_lookahead_age_s,
     )

@@ -198,8 +198,10 @@ class TokenCounter:
     ``observe(payload)`` returns how many newly generated tokens that event carries (0 for
     role-only, finish-only, usage-only and error events). After the stream: ``completion_tokens``
     and ``prompt_tokens`` are the server's own counts when it sent them (usage, or the last
-    ``meta_info``), ``chunk_tokens`` is what the events added up to, ``error`` holds an in-stream
-    error object and ``done`` tells whether ``[DONE]`` arrived.
+    ``meta_info``), ``cached_tokens`` what it reported of its prefix cache (``usage.
+    prompt_tokens_details.cached_tokens``, ``meta_info.cached_tokens``, Responses'
+    ``input_tokens_details.cached_tokens``), ``chunk_tokens`` is what the events added up to,
+    ``error`` holds an in-stream error object and ``done`` tells whether ``[DONE]`` arrived.
 
     An event of a shape SGLang does not send (``{"choices": 5}``, a ``delta`` that is not an
     object, a ``/generate`` ``index`` that is not an integer, ...) counts in ``malformed`` and
@@ -210,6 +212,8 @@ class TokenCounter:
     chunk_tokens: int = 0
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    #: prompt tokens the server says it had cached (its prefix cache), when it says
+    cached_tokens: int | None = None
     finish_reason: str | None = None
     error: dict | None = None
     done: bool = False
@@ -292,6 +296,9 @@ class TokenCounter:
                     self.completion_tokens = usage["output_tokens"]
                 if isinstance(usage.get("input_tokens"), int):
                     self.prompt_tokens = usage["input_tokens"]
+                cached = _cached(usage.get("input_tokens_details"))
+                if cached is not None:
+                    self.cached_tokens = cached
             if kind in ("response.failed", "response.incomplete"):
                 err = response.get("error")
                 self.error = err if isinstance(err, dict) else {"message": kind}
@@ -325,6 +332,8 @@ class TokenCounter:
         total = meta.get("completion_tokens")
         if isinstance(meta.get("prompt_tokens"), int):
             self.prompt_tokens = meta["prompt_tokens"]
+        if _is_int(meta.get("cached_tokens")):
+            self.cached_tokens = meta["cached_tokens"]
         finish = meta.get("finish_reason")
         if isinstance(finish, dict):
             self.finish_reason = finish.get("type")
@@ -366,6 +375,9 @@ class TokenCounter:
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             if isinstance(usage.get("prompt_tokens"), int):
                 self.prompt_tokens = usage["prompt_tokens"]
+            cached = _cached(usage.get("prompt_tokens_details"))
+            if cached is not None:
+                self.cached_tokens = cached
             previous = self.completion_tokens or 0
             self.completion_tokens = usage["completion_tokens"]
             if carries:  # continuous usage: the chunk says exactly how many it carries
@@ -376,21 +388,44 @@ class TokenCounter:
         return new
 
 
-def body_tokens(data: bytes) -> int | None:
-    """Generated tokens a whole (non-streamed) answer reports, in any of SGLang's shapes: OpenAI
-    and Responses ``usage`` (``completion_tokens`` / ``output_tokens``, also Anthropic's),
-    ``/generate``'s ``meta_info`` (one object, or a list for a batch), Vertex ``predictions``,
-    Ollama's ``eval_count``. None when it does not say."""
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _cached(details: object) -> int | None:
+    """``cached_tokens`` of a ``prompt_tokens_details`` / ``input_tokens_details`` object."""
+    if isinstance(details, dict) and _is_int(details.get("cached_tokens")):
+        return details["cached_tokens"]
+    return None
+
+
+@dataclass(slots=True)
+class BodyUsage:
+    """What a whole answer's usage says (None: it does not say)."""
+
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+def body_usage(data: bytes) -> BodyUsage:
+    """The usage a whole (non-streamed) answer reports, in any of SGLang's shapes: OpenAI and
+    Responses ``usage`` (``completion_tokens`` / ``output_tokens``, also Anthropic's; cached
+    tokens in ``prompt_tokens_details`` / ``input_tokens_details``), ``/generate``'s
+    ``meta_info`` (one object, or a list for a batch; ``cached_tokens``), Vertex
+    ``predictions``, Ollama's ``eval_count``. Counts of a batch are summed."""
+    out = BodyUsage()
     if not data or data[:1] not in (b"{", b"["):
-        return None
+        return out
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return None
+        return out
     if isinstance(obj, dict) and isinstance(obj.get("predictions"), list):
         obj = obj["predictions"]
     items = obj if isinstance(obj, list) else [obj]
-    total = 0
+    total = prompt = cached = 0
+    seen_prompt = seen_cached = False
     for item in items:
         if not isinstance(item, dict):
             continue
@@ -400,6 +435,25 @@ def body_tokens(data: bytes) -> int | None:
         n = usage.get("completion_tokens", usage.get("output_tokens"))
         if n is None:
             n = item.get("eval_count")
-        if isinstance(n, int) and not isinstance(n, bool):
+        if _is_int(n):
             total += n
-    return total or None
+        p = usage.get("prompt_tokens", usage.get("input_tokens"))
+        if _is_int(p):
+            prompt += p
+            seen_prompt = True
+        c = usage.get("cached_tokens")
+        if not _is_int(c):
+            c = _cached(usage.get("prompt_tokens_details") or usage.get("input_tokens_details"))
+        if c is not None:
+            cached += c
+            seen_cached = True
+    out.completion_tokens = total or None
+    out.prompt_tokens = prompt if seen_prompt else None
+    out.cached_tokens = cached if seen_cached else None
+    return out
+
+
+def body_tokens(data: bytes) -> int | None:
+    """Generated tokens a whole (non-streamed) answer reports (see :func:`body_usage`); None
+    when it does not say."""
+    return body_usage(data).completion_tokens

@@ -241,6 +241,9 @@ class BackendStats:
         self.completions_failed = 0
         self.errors_by_kind: dict[str, int] = {}
         self.consecutive_errors = 0
+        # the prefix cache as the backend reports it (answers that said their cached tokens)
+        self.reported_prompt_tokens = 0
+        self.cached_tokens = 0
         self.scrape = ScrapeState()
         # in-flight integration for windows
         self._in_flight = 0
@@ -324,6 +327,21 @@ class BackendStats:
             self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
             current = self.ttft_ewma.value or 0.0
             self.ttft_ewma.observe(max(self.error_penalty_s, 3.0 * current), now)
+
+    def observe_cached(self, prompt_tokens: int | None, cached_tokens: int) -> None:
+        """An answer reported ``cached_tokens`` of its ``prompt_tokens`` found in the backend's
+        prefix cache (``usage.prompt_tokens_details.cached_tokens``,
+        ``meta_info.cached_tokens``)."""
+        if prompt_tokens:
+            self.reported_prompt_tokens += prompt_tokens
+            self.cached_tokens += min(cached_tokens, prompt_tokens)
+
+    @property
+    def cached_hit_rate(self) -> float | None:
+        """Cached over prompt tokens, over the answers that reported them."""
+        if not self.reported_prompt_tokens:
+            return None
+        return self.cached_tokens / self.reported_prompt_tokens
 
     def observe_in_flight(self, in_flight: int, limit: int, now: float | None = None) -> None:
         """The proxy's in-flight count (or the limit) for this backend changed."""
@@ -574,6 +592,9 @@ class BackendStats:
             "completions_ok": self.completions_ok,
             "completions_failed": self.completions_failed,
             "errors_by_kind": dict(self.errors_by_kind),
+            "prompt_tokens_reported": self.reported_prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cached_hit_rate": self.cached_hit_rate,
             "scrape": {
                 "queue_reqs": self.scrape.queue_reqs,
                 "running_reqs": self.scrape.running_reqs,

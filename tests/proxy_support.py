@@ -4,7 +4,9 @@ The fake speaks just enough of SGLang's API (OpenAI chat/completions SSE and JSO
 /health, /v1/models) and lets a test script its behaviour per request through headers:
 ``X-Fake-Status`` (answer that status with an SGLang error body), ``X-Fake-Die-After`` (close
 the connection after N tokens), ``X-Fake-Stall-After`` (stop sending after N tokens),
-``X-Fake-Delay`` (seconds between tokens), ``X-Fake-Tokens``.
+``X-Fake-Delay`` (seconds between tokens), ``X-Fake-Tokens``. With ``prefix_cache`` set (a list
+the fake fills), chat/completions answers report a prefix cache in SGLang's usage shape: 4
+characters of the messages' text a token, cached what an earlier prompt shares with this one.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class FakeUpstream:
         #: its first token, so a request it queues shows nothing); ``held``: waiting now
         self.hold_s = 0.0
         self.held = 0
+        #: prompts seen (their text), when this fake reports a prefix cache; None: it does not
+        self.prefix_cache: list[str] | None = None
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -132,9 +136,21 @@ class FakeUpstream:
             "tokens": int(h.get("X-Fake-Tokens", 0)),
         }
 
+    def prompt_usage(self, body: dict) -> dict:
+        """``prompt_tokens`` (and, with a prefix cache, ``prompt_tokens_details``) of a body."""
+        if self.prefix_cache is None:
+            return {"prompt_tokens": 3}
+        text = "".join(f"{m.get('role')}:{m.get('content')}|" for m in body.get("messages", []))
+        text = text or str(body.get("prompt", ""))
+        common = max((_common(text, seen) for seen in self.prefix_cache), default=0)
+        self.prefix_cache.append(text)
+        tokens = max(len(text) // 4, 1)
+        return {"prompt_tokens": tokens, "prompt_tokens_details": {"cached_tokens": common // 4}}
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append({"body": body, "headers": dict(request.headers), "path": request.path})
+        prompt_usage = self.prompt_usage(body)
         s = self._script(request)
         if s["status"]:
             return web.json_response(
@@ -177,7 +193,7 @@ class FakeUpstream:
                     "created": 0,
                     "model": MODEL,
                     "choices": [choice],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3},
+                    "usage": {**prompt_usage, "completion_tokens": n, "total_tokens": n + 3},
                 }
             )
         resp = web.StreamResponse(
@@ -234,7 +250,7 @@ class FakeUpstream:
                         **base,
                         "choices": [],
                         "usage": {
-                            "prompt_tokens": 3,
+                            **prompt_usage,
                             "completion_tokens": n,
                             "total_tokens": n + 3,
                         },
@@ -273,6 +289,16 @@ class FakeUpstream:
             await resp.write(b"data: " + orjson.dumps(item(k, k == n)) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
+
+
+def _common(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def proxy_settings(backends: list[str], **sections: Any):

@@ -1,0 +1,371 @@
+"""Prefix-cache-aware routing: send a prompt where its prefix is already cached.
+
+SGLang (RadixAttention) keeps the KV cache of every prompt prefix it computed until it needs the
+room, so a request whose prefix a backend holds skips that much prefill. What this optimises:
+each request's **expected completion**, the latency policy's estimate, where the prefix a
+backend is expected to hold discounts its TTFT (the fraction of the prompt it holds is prefill it
+skips), under a **bounded load**: a backend more loaded than ``load_factor`` times its share of
+what the fleet has in flight loses its claim, so a hot prefix spreads before one backend queues
+it. Nothing here knows a backend's shape; the estimate reads only measured TTFT, ITL and load.
+
+The request path, as named steps:
+
+1. ``prompt_of(body)``: the request's routing text (chat messages in order, role and content; or
+   ``prompt`` / ``text`` / ``input_ids`` / ``input``), cut into ``block_chars`` blocks, each
+   hashed *chained* (block i's hash covers blocks 0..i). No tokenizer: the blocks are bytes of
+   text, so a prefix match is a lookup of successive hashes. Hashed once per request.
+2. ``PrefixRouting.pick(candidates, prompt, backends)``: which backend with a free slot takes it
+   (below), and how many of its blocks the index says that backend holds.
+3. ``PrefixRouting.learn(backend, prompt)``: at the bind, the backend now holds this prompt.
+4. ``PrefixRouting.report(backend, predicted, prompt_tokens, cached_tokens)``: what the backend
+   said it had cached (``usage.prompt_tokens_details.cached_tokens``, ``meta_info.cached_tokens``)
+   corrects how far the index's claims on it are trusted.
+
+The choice among candidates:
+
+- each candidate's *claim* is the fraction of the prompt it is expected to hold (matched blocks /
+  prompt, times its trust), zero when it is beyond its load bound;
+- its cost is the latency policy's expected completion with TTFT discounted by the claim;
+- among the candidates within ``NEAR_BEST`` of the cheapest cost, the largest claim wins;
+- with no claim there (a cold prefix, or a unique prompt), **rendezvous hashing** of the prompt's
+  leading block picks among them (within their load bound): replicas of the proxy that share
+  nothing send a new prefix group to the same backend, given the same backend names.
+
+The index (:class:`PrefixIndex`) is one bounded LRU map, chained block hash -> the backends that
+were sent it (a bit mask), learnt from what the proxy routed, capped in bytes. Leading blocks are
+touched last, so an old prompt loses its tail first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from proxy.routed import Routed
+
+#: costs within this fraction of the cheapest candidate's count as equally good: affinity, then
+#: rendezvous hashing, decides among them (the estimate is not finer than that)
+NEAR_BEST = 0.10
+#: weight of one report in a backend's trust (an EWMA of reported / predicted cached fraction)
+TRUST_ALPHA = 0.2
+#: bytes one index entry takes at most (its hash, bit mask, LRU links, its share of the hash
+#: table just after it grew: 160-225 measured), checked in tests/test_prefix.py
+ENTRY_BYTES = 240
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request's routing text as chained block hashes (one per whole block)."""
+
+    hashes: tuple[int, ...]
+    chars: int  # the routing text's length in bytes (UTF-8)
+    block: int  # block size in bytes
+
+    def fraction(self, blocks: int) -> float:
+        """The share of the prompt that ``blocks`` leading blocks are."""
+        return min(1.0, blocks * self.block / self.chars) if self.chars else 0.0
+
+
+def routing_text(obj: dict[str, Any]) -> bytes:
+    """What a backend's prefix cache would hold first of this request, as bytes: a chat's
+    messages in order (role, then content), Anthropic's ``system`` before them; else the
+    ``prompt`` / ``text`` / ``input_ids`` / ``input`` field. Empty when there is none."""
+    messages = obj.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        system = obj.get("system")
+        if system is not None:
+            parts.append(b"system\n" + _text(system) + b"\n")
+        for m in messages:
+            if isinstance(m, dict):
+                parts.append(_text(m.get("role")) + b"\n" + _text(m.get("content")) + b"\n")
+        return b"".join(parts)
+    for key in ("prompt", "text", "input_ids", "input"):
+        value = obj.get(key)
+        if value is not None:
+            return _text(value)
+    return b""
+
+
+def _text(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass")
+    if value is None:
+        return b""
+    try:
+        return orjson.dumps(value)  # content parts, token ids: a prefix stays a prefix
+    except (orjson.JSONEncodeError, TypeError):
+        return b""
+
+
+def prompt_of(obj: dict[str, Any] | None, block: int) -> Prompt | None:
+    """The request's chained block hashes; None without a whole block of routing text."""
+    if obj is None:
+        return None
+    text = routing_text(obj)
+    n = len(text) // block
+    if not n:
+        return None
+    h = hashlib.blake2b(digest_size=8)
+    hashes = []
+    for i in range(0, n * block, block):
+        h.update(text[i : i + block])
+        hashes.append(int.from_bytes(h.copy().digest(), "little"))
+    return Prompt(tuple(hashes), len(text), block)
+
+
+def rendezvous(lead: int, candidates: Sequence[Routed]) -> Routed:
+    """Highest random weight of (leading block, backend name), scaled by weight: the same
+    answer in every process for the same names, and a removed backend moves only its share."""
+    key = lead.to_bytes(8, "little")
+    best, best_score = candidates[0], -1.0
+    for b in candidates:
+        d = hashlib.blake2b(key + b.name.encode(), digest_size=8).digest()
+        u = (int.from_bytes(d, "little") + 1) / (2.0**64 + 2)  # in (0, 1)
+        score = max(float(b.weight or 1.0), 1e-6) / -math.log(u)
+        if score > best_score:
+            best, best_score = b, score
+    return best
+
+
+@dataclass(slots=True)
+class BackendPrefix:
+    """What the index knows of one backend: its claims' trust and the predicted hit counts."""
+
+    bit: int
+    trust: float = 1.0
+    prompt_chars: int = 0  # routing text of requests bound to it
+    matched_chars: int = 0  # of those, what the index predicted it held
+    reports: int = 0
+    stale: int = 0  # reports of under half what was predicted
+
+    def snapshot(self) -> dict[str, Any]:
+        rate = self.matched_chars / self.prompt_chars if self.prompt_chars else None
+        return {
+            "prompt_chars": self.prompt_chars,
+            "matched_chars": self.matched_chars,
+            "predicted_hit_rate": rate,
+            "trust": self.trust,
+            "reports": self.reports,
+            "stale_reports": self.stale,
+        }
+
+
+class PrefixIndex:
+    """Chained block hash -> bit mask of the backends sent a prompt with that prefix; LRU,
+    at most ``max_bytes`` (``ENTRY_BYTES`` an entry)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max(max_bytes // ENTRY_BYTES, 1)
+        self._map: OrderedDict[int, int] = OrderedDict()
+        self.backends: dict[str, BackendPrefix] = {}
+        self.evicted = 0
+
+    def _backend(self, name: str) -> BackendPrefix:
+        bp = self.backends.get(name)
+        if bp is None:
+            bp = self.backends[name] = BackendPrefix(bit=1 << len(self.backends))
+        return bp
+
+    # ---- read ----------------------------------------------------------------------------
+
+    def matches(self, prompt: Prompt, names: Iterable[str]) -> dict[str, int]:
+        """Leading blocks of ``prompt`` each named backend was sent (only those with any)."""
+        want = [(n, bp.bit) for n in names if (bp := self.backends.get(n)) is not None]
+        if not want:
+            return {}
+        mask = 0
+        for _, bit in want:
+            mask |= bit
+        out: dict[str, int] = {}
+        get = self._map.get
+        for i, h in enumerate(prompt.hashes):
+            m = get(h)
+            if m is None:
+                break
+            if m & mask:
+                for name, bit in want:
+                    if m & bit:
+                        out[name] = i + 1
+        return out
+
+    def matched(self, prompt: Prompt, name: str) -> int:
+        return self.matches(prompt, (name,)).get(name, 0)
+
+    def trust(self, name: str) -> float:
+        bp = self.backends.get(name)
+        return 1.0 if bp is None else bp.trust
+
+    @property
+    def entries(self) -> int:
+        return len(self._map)
+
+    @property
+    def bytes(self) -> int:
+        return len(self._map) * ENTRY_BYTES
+
+    # ---- write ---------------------------------------------------------------------------
+
+    def learn(self, name: str, prompt: Prompt, matched_blocks: int = 0) -> None:
+        """``name`` was sent ``prompt`` (it holds it once prefilled); ``matched_blocks``: what
+        the index predicted it held, for the predicted hit rate."""
+        bp = self._backend(name)
+        bp.prompt_chars += prompt.chars
+        bp.matched_chars += min(matched_blocks * prompt.block, prompt.chars)
+        bit = bp.bit
+        d = self._map
+        for h in reversed(prompt.hashes):  # leading blocks last: evicted last
+            d[h] = d.get(h, 0) | bit
+            d.move_to_end(h)
+        extra = len(d) - self.max_entries
+        for _ in range(extra):
+            d.popitem(last=False)
+        if extra > 0:
+            self.evicted += extra
+
+    def report(
+        self, name: str, predicted: float, prompt_tokens: int | None, cached_tokens: int
+    ) -> None:
+        """The backend said it had ``cached_tokens`` of ``prompt_tokens`` cached where the index
+        predicted the fraction ``predicted``. Far fewer means its older claims outlived its
+        cache (evicted, flushed, restarted, or no prefix cache at all): its trust falls, and
+        so does the weight of every claim on it; matching reports restore it."""
+        if predicted <= 0 or not prompt_tokens:
+            return
+        bp = self._backend(name)
+        sample = min(1.0, cached_tokens / prompt_tokens / predicted)
+        bp.reports += 1
+        if sample < 0.5:
+            bp.stale += 1
+        bp.trust += TRUST_ALPHA * (sample - bp.trust)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "entries": self.entries,
+            "bytes": self.bytes,
+            "max_bytes": self.max_bytes,
+            "evicted": self.evicted,
+            "backends": {n: bp.snapshot() for n, bp in self.backends.items()},
+        }
+
+
+class Estimate(Protocol):
+    """The latency policy's expected completion (proxy/policies.Latency)."""
+
+    def mean_output(self, candidates: Sequence[Routed]) -> float: ...
+
+    def expected_completion(self, b: Routed, out_tokens: float, cached: float = 0.0) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Fleet:
+    """What the routable fleet has in flight, and the sum of its limits."""
+
+    in_flight: int
+    limit: int
+
+    @classmethod
+    def of(cls, backends: Sequence[Routed]) -> _Fleet:
+        in_flight = limit = 0
+        for x in backends:
+            if x.routable:
+                in_flight += x.in_flight
+                limit += x.limit.limit
+        return cls(in_flight, limit)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    cost: float
+    claim: float
+    backend: Routed
+    blocks: int
+
+
+class PrefixRouting:
+    """The choice among backends with a free slot for a request with a prompt (see the module
+    docstring), and the queue's lookahead parameters admission reads."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        estimate: Estimate,
+        *,
+        block_chars: int = 128,
+        load_factor: float = 1.25,
+        lookahead: int = 8,
+        lookahead_age_s: float = 1.0,
+    ) -> None:
+        self.index = index
+        self.estimate = estimate
+        self.block_chars = block_chars
+        self.load_factor = load_factor
+        self.lookahead = lookahead
+        self.lookahead_age_s = lookahead_age_s
+
+    def prompt(self, obj: dict[str, Any] | None) -> Prompt | None:
+        return prompt_of(obj, self.block_chars)
+
+    def within_bound(self, b: Routed, backends: Sequence[Routed]) -> bool:
+        """One more request keeps ``b`` within ``load_factor`` x its share (by limit) of what
+        the routable fleet would have in flight (consistent hashing with bounded loads)."""
+        return self._within(b, _Fleet.of(backends))
+
+    def _within(self, b: Routed, fleet: _Fleet) -> bool:
+        if fleet.limit <= 0:
+            return True
+        bound = math.ceil(self.load_factor * (fleet.in_flight + 1) * b.limit.limit / fleet.limit)
+        return b.in_flight + 1 <= bound
+
+    def pick(
+        self, candidates: Sequence[Routed], prompt: Prompt, backends: Sequence[Routed]
+    ) -> tuple[Routed, int]:
+        """The backend for ``prompt`` and the blocks the index says it holds."""
+        matched = self.index.matches(prompt, (b.name for b in candidates))
+        if len(candidates) == 1:
+            b = candidates[0]
+            return b, matched.get(b.name, 0)
+        out = self.estimate.mean_output(candidates)
+        fleet = _Fleet.of(backends)
+        scored = []
+        for b in candidates:
+            blocks = matched.get(b.name, 0)
+            claim = 0.0
+            if blocks and self._within(b, fleet):
+                claim = prompt.fraction(blocks) * self.index.trust(b.name)
+            cost = self.estimate.expected_completion(b, out, claim)
+            scored.append(_Scored(cost, claim, b, blocks))
+        near = _near_best(scored)
+        claimed = [s for s in near if s.claim > 0]
+        if claimed:
+            s = max(claimed, key=lambda s: (s.claim, -s.cost))
+            return s.backend, s.blocks
+        bounded = [s.backend for s in near if self._within(s.backend, fleet)]
+        b = rendezvous(prompt.hashes[0], bounded or [s.backend for s in near])
+        return b, matched.get(b.name, 0)
+
+    def learn(self, b: Routed, prompt: Prompt, blocks: int) -> float:
+        """``prompt`` was bound to ``b``; the fraction of it predicted cached there."""
+        self.index.learn(b.name, prompt, blocks)
+        return prompt.fraction(blocks)
+
+    def report(
+        self, name: str, predicted: float, prompt_tokens: int | None, cached_tokens: int
+    ) -> None:
+        self.index.report(name, predicted, prompt_tokens, cached_tokens)
+
+
+def _near_best(scored: list[_Scored]) -> list[_Scored]:
+    """The candidates as good as the cheapest within NEAR_BEST; all unmeasured ones (cost < 0:
+    the latency policy probes them first) when there are any."""
+    best = min(s.cost for s in scored)
+    if best < 0:
+        return [s for s in scored if s.cost < 0]
+    return [s for s in scored if s.cost <= best * (1.0 + NEAR_BEST)]

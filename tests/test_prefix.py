@@ -1,0 +1,309 @@
+"""Prefix routing (proxy/prefix.py) with numbers alone: the routing text and its chained blocks,
+the index (match, learning, LRU eviction, measured memory), the choice (affinity when load
+allows, a hot prefix spread under bounded load, rendezvous shared by replicas, unique prompts
+as the latency policy routes them), trust corrected by reported cached tokens, and the queue's
+lookahead (a freed slot pulls the waiter its backend's cache fits, never past the age bound)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import tracemalloc
+from collections import Counter
+
+import pytest
+from adapt_fakes import FakeBackend, FakeClock
+
+from proxy.admission import Admission
+from proxy.policies import Latency, RoutingSettings, make_policy, make_prefix_routing
+from proxy.prefix import ENTRY_BYTES, PrefixIndex, PrefixRouting, prompt_of, routing_text
+
+BLOCK = 64
+SYSTEM = "You are a careful assistant. " * 20  # ~580 chars: 9 blocks shared by a group
+
+
+def chat(*turns: tuple[str, str]) -> dict:
+    return {"messages": [{"role": r, "content": c} for r, c in turns]}
+
+
+def group(system: str, question: str) -> dict:
+    return chat(("system", system), ("user", question))
+
+
+def measured(name, clock, *, ttft=0.5, itl=0.02, limit=32, in_flight=0):
+    b = FakeBackend(name, limit, clock=clock)
+    b.stats.observe_ttft(ttft)
+    b.stats.observe_itl(itl, 10)
+    b.stats.observe_completion(True, output_tokens=100)
+    b.in_flight = in_flight
+    return b
+
+
+def routing(**kw) -> PrefixRouting:
+    kw.setdefault("block_chars", BLOCK)
+    index = kw.pop("index", None) or PrefixIndex(kw.pop("max_bytes", 1 << 20))
+    return PrefixRouting(index, Latency(), **kw)
+
+
+def bind(r: PrefixRouting, backends, obj) -> str:
+    """What admission does at a bind: pick among those with a free slot, learn, in_flight += 1."""
+    p = prompt_of(obj, r.block_chars)
+    assert p is not None
+    free = [b for b in backends if b.in_flight < b.limit.limit]
+    b, blocks = r.pick(free, p, backends)
+    r.learn(b, p, blocks)
+    b.in_flight += 1
+    return b.name
+
+
+# ---- the routing text and its blocks ---------------------------------------------------------
+
+
+def test_routing_text_covers_every_prompt_shape():
+    assert routing_text(chat(("user", "hi"))) == b"user\nhi\n"
+    assert routing_text({"system": "s", "messages": [{"role": "user", "content": "q"}]}) == (
+        b"system\ns\nuser\nq\n"
+    )
+    parts = [{"type": "text", "text": "look"}]
+    assert routing_text(chat(("user", parts))) == b'user\n[{"type":"text","text":"look"}]\n'
+    assert routing_text({"prompt": "p"}) == b"p"
+    assert routing_text({"text": "t"}) == b"t"
+    assert routing_text({"input_ids": [1, 2, 3]}) == b"[1,2,3]"
+    assert routing_text({"model": "m"}) == b""
+
+
+def test_blocks_are_chained_so_a_conversation_extends_its_history():
+    first = chat(("system", SYSTEM), ("user", "What is a radix tree?"))
+    second = chat(
+        ("system", SYSTEM),
+        ("user", "What is a radix tree?"),
+        ("assistant", "A compressed trie. " * 10),
+        ("user", "And its cost?"),
+    )
+    a, b = prompt_of(first, BLOCK), prompt_of(second, BLOCK)
+    assert a is not None and b is not None
+    assert len(a.hashes) == len(routing_text(first)) // BLOCK
+    assert b.hashes[: len(a.hashes)] == a.hashes  # the history's blocks, unchanged
+    other = prompt_of(chat(("system", "x" + SYSTEM[1:]), ("user", "What is a radix tree?")), BLOCK)
+    assert other is not None and not set(other.hashes) & set(a.hashes)  # chained: all differ
+    assert prompt_of(chat(("user", "short")), BLOCK) is None  # no whole block: no key
+
+
+# ---- the index --------------------------------------------------------------------------------
+
+
+def test_index_matches_the_leading_blocks_each_backend_was_sent():
+    idx = PrefixIndex(1 << 20)
+    a = prompt_of(group(SYSTEM, "first question, unique " * 4), BLOCK)
+    b = prompt_of(group(SYSTEM, "another question here " * 4), BLOCK)
+    idx.learn("A", a)
+    got = idx.matches(b, ["A", "B"])
+    shared = len(routing_text(group(SYSTEM, ""))) // BLOCK
+    assert set(got) == {"A"} and shared - 1 <= got["A"] <= shared
+    assert idx.matches(a, ["A"]) == {"A": len(a.hashes)}
+    idx.learn("B", b)
+    assert idx.matches(b, ["A", "B"]) == {"A": got["A"], "B": len(b.hashes)}
+
+
+def test_index_is_lru_bounded_and_evicts_tails_before_leading_blocks():
+    idx = PrefixIndex(ENTRY_BYTES * 50)
+    assert idx.max_entries == 50
+    old = prompt_of({"prompt": "o" * (BLOCK * 20)}, BLOCK)
+    idx.learn("A", old)
+    for i in range(3):
+        idx.learn("A", prompt_of({"prompt": f"{i}" * (BLOCK * 15)}, BLOCK))
+    assert idx.entries == 50 and idx.evicted == 20 + 3 * 15 - 50
+    # what is left of the old prompt is its leading blocks (touched last when learnt)
+    assert idx.matched(old, "A") == 5
+    assert idx.bytes == 50 * ENTRY_BYTES
+
+
+@pytest.mark.parametrize("cap_mib", [1, 3, 5, 20])
+def test_index_memory_measured_stays_within_its_cap(cap_mib):
+    cap = cap_mib * 1024 * 1024
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    idx = PrefixIndex(cap)
+    for i in range(2 * idx.max_entries // 12):  # twice what it holds, 12 blocks a prompt
+        idx.learn(f"b{i % 8}", prompt_of({"prompt": f"{i:08d}" * 200}, 128))
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    used = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    assert idx.entries == idx.max_entries and idx.bytes <= cap
+    assert used <= cap, f"{used} bytes measured for a cap of {cap}"
+    assert used >= 0.5 * cap  # ENTRY_BYTES is no wild overestimate either
+
+
+# ---- the choice -------------------------------------------------------------------------------
+
+
+def test_a_shared_prefix_goes_to_the_backend_that_has_it_when_load_allows():
+    clock = FakeClock()
+    fleet = [measured(n, clock, in_flight=12) for n in "ABCD"]
+    r = routing()
+    home = bind(r, fleet, group(SYSTEM, "question zero, with some words " * 2))
+    picks = [bind(r, fleet, group(SYSTEM, f"question {i}, with words " * 3)) for i in range(3)]
+    assert picks == [home] * 3
+    # predicted hit rate: the group's share of each later prompt
+    bp = r.index.backends[home]
+    assert 0.5 < bp.matched_chars / bp.prompt_chars < 1.0
+
+
+def test_a_hot_prefix_spreads_under_bounded_load():
+    clock = FakeClock()
+    fleet = [measured(n, clock) for n in "ABCD"]
+    r = routing(load_factor=1.25)
+    picks = [bind(r, fleet, group(SYSTEM, f"hot question {i} " * 4)) for i in range(40)]
+    loads = Counter(picks)
+    assert set(loads) == set("ABCD")
+    assert max(loads.values()) <= -(-1.25 * 40 // 4)  # ceil(1.25 x average)
+    # and once spread, each copy keeps attracting the group while its load allows
+    assert all(r.index.matched(prompt_of(group(SYSTEM, ""), BLOCK), n) for n in "ABCD")
+
+
+def test_replicas_that_share_nothing_agree_on_a_cold_prefix():
+    clock = FakeClock()
+    systems = [f"System prompt of tenant {g}. " * 12 for g in range(40)]
+    one, two = routing(), routing()
+    fleet1 = [measured(n, clock) for n in "ABCD"]
+    fleet2 = [measured(n, clock) for n in "DCBA"]  # listed in another order
+    first = [bind(one, fleet1, group(s, "hello there, a question " * 3)) for s in systems]
+    for b in fleet1 + fleet2:
+        b.in_flight = 0
+    second = [bind(two, fleet2, group(s, "another question entirely " * 3)) for s in systems]
+    assert first == second
+    assert len(set(first)) == 4  # and the groups spread over the fleet
+
+
+def test_unique_prompts_route_as_the_latency_policy_does():
+    clock = FakeClock()
+    fast = measured("fast", clock, ttft=0.1, itl=0.01)
+    slow = measured("slow", clock, ttft=1.0, itl=0.05)
+    r, latency = routing(), Latency()
+    for i in range(20):
+        p = prompt_of({"prompt": f"unique prompt number {i} " * 10}, BLOCK)
+        b, blocks = r.pick([fast, slow], p, [fast, slow])
+        assert b is latency.pick([fast, slow]) and blocks == 0
+
+
+def test_a_prefix_held_by_a_slower_backend_loses_to_a_much_faster_one():
+    clock = FakeClock()
+    fast = measured("fast", clock, ttft=0.2, itl=0.01)
+    slow = measured("slow", clock, ttft=0.4, itl=0.05)
+    r = routing()
+    p = prompt_of(group(SYSTEM, "question " * 10), BLOCK)
+    r.learn(slow, p, 0)
+    b, blocks = r.pick([fast, slow], p, [fast, slow])
+    assert b is fast and blocks == 0  # prefill saved (0.4 s) < decoding slower (4 s)
+
+
+def test_stale_claims_lose_their_weight_when_the_backend_reports_fewer_cached_tokens():
+    clock = FakeClock()
+    a, b = measured("A", clock), measured("B", clock)
+    r = routing()
+    p = prompt_of(group(SYSTEM, "a question " * 5), BLOCK)
+    r.learn(a, p, 0)
+    r.learn(b, p, 0)  # both were sent it; A's copy is gone (evicted, flushed)
+    predicted = p.fraction(r.index.matched(p, "A"))
+    for _ in range(10):
+        r.report("A", predicted, 200, 0)
+        r.report("B", predicted, 200, int(200 * predicted))
+    assert r.index.trust("A") < 0.2 and r.index.trust("B") > 0.99
+    assert r.index.backends["A"].stale == 10
+    assert all(r.pick([a, b], p, [a, b])[0] is b for _ in range(5))
+    for _ in range(20):  # A holds it again: its reports restore its claims
+        r.report("A", predicted, 200, int(200 * predicted))
+    assert r.index.trust("A") > 0.9
+
+
+def test_prefix_routing_is_built_for_the_latency_policy_only():
+    on = RoutingSettings()
+    assert make_prefix_routing(on, make_policy(on)) is not None
+    off = RoutingSettings(prefix_affinity=False)
+    assert make_prefix_routing(off, make_policy(off)) is None
+    rr = RoutingSettings(policy="round_robin")
+    assert make_prefix_routing(rr, make_policy(rr)) is None
+
+
+# ---- the queue's lookahead -------------------------------------------------------------------
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def queue_of(fleet, clock, **kw) -> Admission:
+    r = routing(**kw)
+    return Admission(fleet, r.estimate, prefix=r, clock=clock, max_queue=100)  # type: ignore[arg-type]
+
+
+async def test_a_freed_slot_pulls_the_waiter_its_cache_fits():
+    clock = FakeClock()
+    a, b = measured("A", clock, limit=1), measured("B", clock, limit=1)
+    adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=5.0)
+    other = "Another tenant's system prompt. " * 20
+    pa = adm.prefix.prompt(group(SYSTEM, "first " * 20))
+    pb = adm.prefix.prompt(group(other, "first " * 20))
+    la = await adm.acquire(prompt=pa)
+    lb = await adm.acquire(prompt=pb)
+    assert {la.backend.name, lb.backend.name} == {"A", "B"}
+    home_a = la.backend
+    head = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(other, "q " * 30))))
+    await settle()
+    clock.advance(0.1)
+    fits = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30))))
+    await settle()
+    la.release()  # A frees: it takes the later waiter whose prefix it holds, not the head
+    await settle()
+    assert fits.done() and not head.done()
+    assert fits.result().backend is home_a and fits.result().predicted > 0.5
+    lb.release()
+    await settle()
+    assert head.done() and head.result().backend is lb.backend  # the head's own prefix home
+    fits.result().release()
+    head.result().release()
+
+
+async def test_the_head_is_not_passed_over_past_its_age_bound():
+    clock = FakeClock()
+    a, b = measured("A", clock, limit=1), measured("B", clock, limit=1)
+    adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=0.5)
+    other = "Another tenant's system prompt. " * 20
+    la = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
+    lb = await adm.acquire(prompt=adm.prefix.prompt(group(other, "first " * 20)))
+    head = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(other, "q " * 30))))
+    await settle()
+    fits = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30))))
+    await settle()
+    clock.advance(0.6)  # the head has waited past the bound: FIFO again
+    la.release()
+    await settle()
+    assert head.done() and not fits.done()
+    lb.release()
+    await settle()
+    assert fits.done()
+    head.result().release()
+    fits.result().release()
+
+
+async def test_lookahead_never_lets_batch_pass_interactive():
+    clock = FakeClock()
+    a = measured("A", clock, limit=1)
+    adm = queue_of([a], clock, lookahead=4, lookahead_age_s=5.0)
+    la = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
+    other = "Another tenant's system prompt. " * 20
+    head = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(other, "q " * 30))))
+    await settle()
+    batch = asyncio.create_task(
+        adm.acquire("batch", prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30)))
+    )
+    await settle()
+    la.release()
+    await settle()
+    assert head.done() and not batch.done()
+    head.result().release()
+    await settle()
+    assert batch.done()
+    batch.result().release()
