@@ -199,10 +199,15 @@ class Harness:
             wait_ready(f"{u}/health", proc=child.proc)
         return child
 
-    def sims(self, profiles: Iterable[str], *, seed: int = 1) -> list[str]:
+    def sims(
+        self, profiles: Iterable[str], *, seed: int = 1, extra: Iterable[str] = ()
+    ) -> list[str]:
         """One `loadtest sim` process per profile (URLs in order): on 2 cores, backends in one
         process slow each other's modelled clock when one of them gets busy."""
-        return [self.sim([p], name=f"sim-{p}", seed=seed + i).url for i, p in enumerate(profiles)]
+        return [
+            self.sim([p], name=f"sim-{i}-{Path(p).stem}", seed=seed + i, extra=extra).url
+            for i, p in enumerate(profiles)
+        ]
 
     def restart(self, child: Child) -> Child:
         """Start the same command again (same ports) after it was killed; wait until ready."""
