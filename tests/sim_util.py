@@ -25,6 +25,8 @@ async def running_sim(
     keepalive_s: float = 5.0,
     trace: bool = False,
     overrides: dict | None = None,
+    radix_cache: bool = True,
+    enable_cache_report: bool = False,
     **faults: object,
 ) -> AsyncIterator[tuple[str, SimBackend]]:
     prof = load_profile(profile)
@@ -34,6 +36,8 @@ async def running_sim(
         prof,
         port=free_port(),
         time_scale=time_scale,
+        radix_cache=radix_cache,
+        enable_cache_report=enable_cache_report,
         faults=Faults(FaultConfig(**faults)),
         trace=io.BytesIO() if trace else None,
     )

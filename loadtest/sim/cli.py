@@ -44,6 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="close idle keep-alive connections after S seconds, like uvicorn (default 5)",
     )  # fmt: skip
     parser.add_argument("--access-log", action="store_true", help="log every request")
+    parser.add_argument(
+        "--disable-radix-cache", action="store_true",
+        help="no prefix cache (as SGLang's flag): every prompt is prefilled in full",
+    )  # fmt: skip
+    parser.add_argument(
+        "--enable-cache-report", action="store_true",
+        help="report cached prompt tokens in OpenAI usage.prompt_tokens_details (as SGLang's "
+        "flag; /generate's meta_info.cached_tokens is always there)",
+    )  # fmt: skip
     add_fault_arguments(parser)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _profiles_epilog()
@@ -112,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             time_scale=args.time_scale,
             seed=args.seed + i,
+            radix_cache=not args.disable_radix_cache,
+            enable_cache_report=args.enable_cache_report,
             faults=Faults(fault_config.model_copy(), seed=args.seed + i),
             trace=trace,
         )

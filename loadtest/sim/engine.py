@@ -136,11 +136,13 @@ class RequestStream:
 class Engine:
     """A simulated SGLang engine (one backend) on an injectable clock."""
 
-    def __init__(self, profile: Profile, clock: Clock, seed: int = 0) -> None:
+    def __init__(
+        self, profile: Profile, clock: Clock, seed: int = 0, radix_cache: bool = True
+    ) -> None:
         self.profile = profile
         self.clock = clock
         self.seed = seed
-        self.scheduler = Scheduler(profile, seed=seed, emit=self._emit)
+        self.scheduler = Scheduler(profile, seed=seed, emit=self._emit, radix_cache=radix_cache)
         self._streams: dict[str, RequestStream] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Future[None] | None = None
@@ -195,6 +197,10 @@ class Engine:
         if n:
             self._poke()
         return n
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache (``/flush_cache``); False while requests run or wait."""
+        return self.scheduler.flush_cache()
 
     # --- stats ----------------------------------------------------------------------------
     def live_stats(self) -> EngineStats:

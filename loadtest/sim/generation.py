@@ -90,6 +90,7 @@ class Generation:
     max_new_tokens: int
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
+    prompt_ids: tuple[int, ...] | None = None  # what the prefix cache matches and keeps
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -110,6 +111,7 @@ class Generation:
                     prompt_tokens=self.prompt_tokens,
                     max_new_tokens=self.max_new_tokens,
                     ignore_eos=self.ignore_eos,
+                    prompt_ids=self.prompt_ids,
                 )
             )
         except ValueError as exc:
@@ -118,6 +120,18 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held at admission (0 before it)."""
+        return 0 if self._stream is None else int(self._stream.cached_tokens)
+
+    def prompt_tokens_details(self) -> dict | None:
+        """OpenAI usage's ``prompt_tokens_details``: SGLang fills it only when started with
+        ``--enable-cache-report``."""
+        if not self.backend.enable_cache_report:
+            return None
+        return {"cached_tokens": self.cached_tokens}
 
     async def steps(self) -> AsyncIterator[Step]:
         """Token steps as the engine produces them; the last one carries ``finish``."""

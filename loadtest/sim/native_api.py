@@ -62,25 +62,25 @@ def add_routes(app: web.Application) -> None:
 # ---- /generate ---------------------------------------------------------------------------
 
 
-def _prompts(body: dict) -> tuple[list[int], bool]:
-    """Prompt token counts, and whether the request was a single prompt."""
+def _prompts(body: dict) -> tuple[list[tuple[int, ...]], bool]:
+    """Prompt token ids, and whether the request was a single prompt."""
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise RequestError("Either text, input_ids or input_embeds should be provided.")
     if text is not None:
         if isinstance(text, str):
-            return [tokens.count_prompt_tokens(text)], True
+            return [tuple(tokens.prompt_token_ids(text))], True
         if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return [tokens.count_prompt_tokens(t) for t in text], False
+            return [tuple(tokens.prompt_token_ids(t)) for t in text], False
         raise RequestError("text must be a string or a non-empty list of strings.")
     if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
-        return [len(ids)], True
+        return [tuple(ids)], True
     if (
         isinstance(ids, list)
         and ids
         and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in ids)
     ):
-        return [len(p) for p in ids], False
+        return [tuple(p) for p in ids], False
     raise RequestError("input_ids must be a non-empty list of ints or a list of such lists.")
 
 
@@ -93,7 +93,8 @@ def _int_or_none(params: dict, key: str) -> int | None:
 
 def _gens(request: web.Request, body: dict) -> tuple[list[Generation], bool]:
     backend = request.app[BACKEND]
-    counts, single = _prompts(body)
+    prompts, single = _prompts(body)
+    counts = [len(ids) for ids in prompts]
     params = body.get("sampling_params") or {}
     plist = params if isinstance(params, list) else [params] * len(counts)
     if len(plist) != len(counts) or not all(isinstance(p, dict) for p in plist):
@@ -110,7 +111,8 @@ def _gens(request: web.Request, body: dict) -> tuple[list[Generation], bool]:
     if len(set(rids)) != len(rids):
         raise RequestError("Duplicate request ids in the batch.")
     gens = []
-    for n, p, r in zip(counts, plist, rids, strict=True):
+    for ids, p, r in zip(prompts, plist, rids, strict=True):
+        n = len(ids)
         max_new = _int_or_none(p, "max_new_tokens")
         validate_lengths(n, max_new, backend.profile.context_length)
         gens.append(
@@ -119,6 +121,7 @@ def _gens(request: web.Request, body: dict) -> tuple[list[Generation], bool]:
                 route="generate",
                 rid=r,
                 prompt_tokens=n,
+                prompt_ids=ids,
                 max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new,
                 ignore_eos=bool(p.get("ignore_eos", False)),
                 stop=parse_stop(p.get("stop")),
@@ -136,7 +139,7 @@ def meta_info(gen: Generation) -> dict:
         "num_retractions": gen.num_retractions,
         "reasoning_tokens": 0,
         "completion_tokens": gen.completion_tokens,
-        "cached_tokens": 0,
+        "cached_tokens": gen.cached_tokens,
         "cached_tokens_details": None,
         "dp_rank": None,
     }
@@ -403,9 +406,8 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    live = request.app[BACKEND].engine.live_stats()
-    busy = stat(live, "num_running_reqs") or stat(live, "num_queue_reqs")
-    return web.Response(text=FLUSH_MESSAGE, status=400 if busy else 200)
+    flushed = request.app[BACKEND].engine.flush_cache()
+    return web.Response(text=FLUSH_MESSAGE, status=200 if flushed else 400)
 
 
 async def metrics(request: web.Request) -> web.Response:

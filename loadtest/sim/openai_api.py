@@ -133,8 +133,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if err is not None:
         return err
     backend = request.app[BACKEND]
-    prompt_tokens = tokens.chat_prompt_tokens(req.messages)
-    return await _serve(request, backend, "chat", req, prompt_tokens, req.max_completion_tokens)
+    ids = tuple(tokens.chat_prompt_ids(req.messages))
+    return await _serve(request, backend, "chat", req, ids, req.max_completion_tokens)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -147,11 +147,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if len(prompt) != 1:
             return openai_error("The simulator serves one prompt per /v1/completions request.")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        prompt_tokens = tokens.count_prompt_tokens(prompt)
-    else:
-        prompt_tokens = len(prompt)
-    return await _serve(request, backend, "completions", req, prompt_tokens, None)
+    ids = tuple(tokens.prompt_token_ids(prompt) if isinstance(prompt, str) else prompt)
+    return await _serve(request, backend, "completions", req, ids, None)
 
 
 async def _serve(
@@ -159,9 +156,10 @@ async def _serve(
     backend,
     api: str,
     req: _Common,
-    prompt_tokens: int,
+    prompt_ids: tuple[int, ...],
     alt_max: int | None,
 ) -> web.StreamResponse:
+    prompt_tokens = len(prompt_ids)
     max_tokens = req.max_tokens if req.max_tokens is not None else alt_max
     context = backend.profile.context_length
     try:
@@ -180,6 +178,7 @@ async def _serve(
         route=api,
         rid=req.rid or f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{backend.new_rid()}",
         prompt_tokens=prompt_tokens,
+        prompt_ids=prompt_ids,
         max_new_tokens=max_tokens if max_tokens is not None else context - prompt_tokens,
         ignore_eos=req.ignore_eos,
         stop=stop,
@@ -212,10 +211,10 @@ def _usage(gen: Generation, exclude_none: bool = False) -> dict:
         "prompt_tokens": gen.prompt_tokens,
         "total_tokens": gen.prompt_tokens + gen.completion_tokens,
         "completion_tokens": gen.completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": gen.prompt_tokens_details(),
         "reasoning_tokens": 0,
     }
-    if exclude_none:
+    if exclude_none and u["prompt_tokens_details"] is None:
         del u["prompt_tokens_details"]
     return u
 

@@ -23,6 +23,14 @@ Model (details and the cost formulas in docs/simulator-engine.md):
   slots than stages most stages idle, and a request advances one token per loop.
 - At the end of a pass each request in it that finished prefill gets one token; requests that
   reach their length finish and free their KV tokens.
+- Prefix cache (RadixAttention; on unless the engine is built with ``radix_cache=False``, and
+  only for requests that carry their prompt's token ids): admission matches the prompt against
+  a radix tree of cached token prefixes (loadtest/sim/prefix_cache.py) and prefills only the
+  rest; the matched prefix is locked while the request runs. A finished request's prompt and
+  output are inserted, so its KV stays in the pool as cache. Cached tokens no running request
+  uses are evictable: admission counts them as room and takes it by evicting least recently
+  used leaves, and decode evicts them before it retracts anyone. The gauges count used tokens
+  without the evictable ones, as SGLang's ``num_used_tokens`` does.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from loadtest.sim.prefix_cache import CacheNode, PrefixCache
 from loadtest.sim.profiles import Profile
 from loadtest.sim.tokens import EOS_TOKEN_ID, TokenSource, stable_seed
 
@@ -67,6 +76,9 @@ class GenRequest:
     ignore_eos: bool = False
     seed_key: str | None = None  # keys the generated ids and natural length; default: rid
     cached_tokens: int = 0  # prompt tokens already in a prefix cache (not prefilled again)
+    # the prompt's token ids: the radix cache matches and keeps them (None: counts only, no
+    # cache; prompt_tokens is then the length)
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -128,6 +140,9 @@ class Req:
     t_first: float | None = None
     t_last: float | None = None
     finish: Finish | None = None
+    prompt_ids: tuple[int, ...] | None = None  # for the radix cache (None: not cached)
+    out_ids: list[int] | None = None  # generated ids, kept to cache them at the finish
+    node: CacheNode | None = None  # the cached prefix it holds locked while running
 
     @property
     def remaining(self) -> int:
@@ -209,9 +224,17 @@ class Scheduler:
     """Continuous batching over slots; see the module docstring."""
 
     def __init__(
-        self, profile: Profile, seed: int = 0, emit: EmitFn | None = None, make_ids: bool = True
+        self,
+        profile: Profile,
+        seed: int = 0,
+        emit: EmitFn | None = None,
+        make_ids: bool = True,
+        radix_cache: bool = True,
     ) -> None:
         self.profile = profile
+        self.cache = PrefixCache() if radix_cache else None
+        self._hit_tokens = 0  # prompt tokens of admissions since the last prefill log: cached
+        self._input_tokens = 0  # ... and all of them (cache_hit_rate)
         self.make_ids = make_ids  # False: emit placeholder ids (calibration needs counts only)
         self.seed = seed
         self.emit: EmitFn = emit or (lambda req, ids, fin: None)
@@ -254,15 +277,18 @@ class Scheduler:
         self._now = max(self._now, now)
         key = g.seed_key if g.seed_key is not None else g.rid
         target, ftype = self._target_length(g, key)
+        ids = g.prompt_ids if self.cache is not None and g.prompt_ids else None
         req = Req(
             rid=g.rid,
-            prompt_tokens=max(int(g.prompt_tokens), 1),
+            prompt_tokens=len(ids) if ids is not None else max(int(g.prompt_tokens), 1),
             max_new_tokens=max(int(g.max_new_tokens), 0),
             target=target,
             finish_type=ftype,
             arrival=self._now,
             source=TokenSource(self.seed, key),
             cached_tokens=min(max(int(g.cached_tokens), 0), max(int(g.prompt_tokens) - 1, 0)),
+            prompt_ids=ids,
+            out_ids=[] if ids is not None else None,
         )
         if req.rid in self.reqs:  # SGLang rejects a live duplicate rid
             raise DuplicateRequestError(f"request id {req.rid!r} is already running")
@@ -321,6 +347,10 @@ class Scheduler:
         if req.state == "running":
             self.slots[req.slot].remove(req)  # type: ignore[index]
             self.num_running -= 1
+            if finish.type != "abort" and req.out_ids is not None:
+                req.out_ids.extend(ids or [])
+                self._cache_finished(req)
+        self._unlock(req)
         self.used_tokens -= req.kv
         req.kv = 0
         req.state = "done"
@@ -393,6 +423,8 @@ class Scheduler:
                 ids = req.source.take(1) if self.make_ids else [0]
                 fin = Finish("length", length=req.generated) if done else None
             if fin is None:
+                if req.out_ids is not None:
+                    req.out_ids.extend(ids)
                 self.emit(req, ids, None)
             else:
                 self._finish(req, fin, ids)
@@ -441,6 +473,7 @@ class Scheduler:
         # 1. room for this slot's decode tokens; retract the least advanced if the pool is full
         retracted = False
         decoders = [q for q in slot if q.prefill_left == 0]
+        self._make_room(len(decoders))
         while decoders and self.used_tokens + len(decoders) > p.max_total_tokens:
             if len(decoders) == 1 and self.num_running == 1:
                 victim = decoders[0]
@@ -474,7 +507,9 @@ class Scheduler:
                 if len(slot) >= self.cap or self.num_running >= p.max_running_requests:
                     break
                 q = self.waiting[0]
-                need = q.prompt_tokens + q.generated  # (re-)prefill
+                node, hit = self._match(q)
+                need = q.prompt_tokens + q.generated - hit  # (re-)prefill past the cached prefix
+                room = p.max_total_tokens + self._evictable() - self._lock_cost(node)
                 if need + 1 > p.max_total_tokens:  # can never fit again
                     self.waiting.popleft()
                     self._finish(
@@ -482,19 +517,21 @@ class Scheduler:
                     )
                     continue
                 new_reserve = self.new_token_ratio * q.remaining
-                if self.used_tokens + need + 1 + reserve + new_reserve > p.max_total_tokens:
-                    if self.num_running == 0 and self.used_tokens + need + 1 <= p.max_total_tokens:
+                if self.used_tokens + need + 1 + reserve + new_reserve > room:
+                    if self.num_running == 0 and self.used_tokens + need + 1 <= room:
                         pass  # an empty engine always admits what fits
                     else:
                         break
                 self.waiting.popleft()
+                self._hold(q, node, hit, need)
                 reserve += new_reserve
                 q.state = "running"
                 q.slot = m
                 q.t_admitted = now if q.t_admitted is None else q.t_admitted
                 q.kv = need
                 self.used_tokens += need
-                q.prefill_left = need - (q.cached_tokens if q.generated == 0 else 0)
+                given = q.cached_tokens if q.generated == 0 and q.prompt_ids is None else 0
+                q.prefill_left = need - given
                 slot.append(q)
                 self.num_running += 1
                 n = min(q.prefill_left, budget)
@@ -562,6 +599,7 @@ class Scheduler:
         """Back to the waiting queue's front; its KV is dropped (re-prefilled on readmission)."""
         self.slots[req.slot].remove(req)  # type: ignore[index]
         self.num_running -= 1
+        self._unlock(req)
         self.used_tokens -= req.kv
         req.kv = 0
         req.prefill_left = 0
@@ -575,6 +613,60 @@ class Scheduler:
         c.retracted_output_tokens_total += req.generated
         self._log_retracted += 1
 
+    # --- prefix cache -----------------------------------------------------------------------
+    def _match(self, q: Req) -> tuple[CacheNode | None, int]:
+        """The cached prefix of q's prompt (at least its last token is computed, as SGLang)."""
+        if self.cache is None or q.prompt_ids is None:
+            return None, 0
+        node, hit = self.cache.match(q.prompt_ids[:-1])
+        return (node, hit) if hit else (None, 0)
+
+    def _lock_cost(self, node: CacheNode | None) -> int:
+        return 0 if node is None or self.cache is None else self.cache.lock_cost(node)
+
+    def _evictable(self) -> int:
+        return 0 if self.cache is None else self.cache.evictable_size
+
+    def _make_room(self, tokens: int) -> None:
+        """Evict cached prefixes no running request uses until ``tokens`` more fit the pool."""
+        short = self.used_tokens + tokens - self.profile.max_total_tokens
+        if short > 0 and self.cache is not None:
+            self.used_tokens -= self.cache.evict(short)
+
+    def _hold(self, q: Req, node: CacheNode | None, hit: int, need: int) -> None:
+        """q is admitted on a cached prefix of ``hit`` tokens: lock it, find room for the
+        ``need`` tokens it computes, count the hit (its first admission only)."""
+        if node is not None and self.cache is not None:
+            self.cache.lock(node)
+            q.node = node
+        self._make_room(need + 1)
+        if q.prompt_ids is not None and q.generated == 0 and q.num_retractions == 0:
+            q.cached_tokens = hit
+            self._hit_tokens += hit
+            self._input_tokens += q.prompt_tokens
+
+    def _unlock(self, req: Req) -> None:
+        if req.node is not None and self.cache is not None:
+            self.cache.unlock(req.node)
+        req.node = None
+
+    def _cache_finished(self, req: Req) -> None:
+        """Its prompt and output become cache: the tree takes what it did not hold (the
+        request's own tokens are freed by the caller), as SGLang's cache_finished_req."""
+        assert self.cache is not None and req.prompt_ids is not None and req.out_ids is not None
+        ids = req.prompt_ids + tuple(req.out_ids)
+        _, already = self.cache.insert(ids)
+        self.used_tokens += len(ids) - already
+
+    def flush_cache(self) -> bool:
+        """``/flush_cache``: drop every cached prefix; only while nothing runs or waits."""
+        if self.num_running or self.waiting:
+            return False
+        if self.cache is not None:
+            self.used_tokens -= self.cache.total_size
+            self.cache.reset()
+        return True
+
     # --- stats ------------------------------------------------------------------------------
     def live_stats(self) -> EngineStats:
         """The true current values (whole engine)."""
@@ -585,13 +677,16 @@ class Scheduler:
         return EngineStats(
             num_running_reqs=self.num_running,
             num_queue_reqs=len(self.waiting),
-            num_used_tokens=self.used_tokens,
-            token_usage=self.used_tokens / self.profile.max_total_tokens,
+            num_used_tokens=self._used_not_evictable(),
+            token_usage=self._used_not_evictable() / self.profile.max_total_tokens,
             max_total_num_tokens=self.profile.max_total_tokens,
             gen_throughput=sum(n for _, n in self._recent) / window,
             num_retracted_reqs=0,
             time=now,
         )
+
+    def _used_not_evictable(self) -> int:
+        return self.used_tokens - self._evictable()
 
     def logged_stats(self) -> EngineStats:
         """What SGLang's scheduler gauges show: the values at the last log point."""
@@ -602,8 +697,11 @@ class Scheduler:
         lg = self._logged
         lg.num_running_reqs = running_batch
         lg.num_queue_reqs = len(self.waiting)
-        lg.num_used_tokens = self.used_tokens
-        lg.token_usage = self.used_tokens / self.profile.max_total_tokens
+        lg.num_used_tokens = self._used_not_evictable()
+        lg.token_usage = lg.num_used_tokens / self.profile.max_total_tokens
+        if not decode and self._input_tokens:  # SGLang: hit / prompt tokens of the batch
+            lg.cache_hit_rate = self._hit_tokens / self._input_tokens
+            self._hit_tokens = self._input_tokens = 0
         lg.max_total_num_tokens = self.profile.max_total_tokens
         lg.num_retracted_reqs = self._log_retracted  # retractions since the previous log
         self._log_retracted = 0

@@ -45,6 +45,8 @@ class SimBackend:
     host: str = "127.0.0.1"
     time_scale: float = 1.0
     seed: int = 0
+    radix_cache: bool = True  # SGLang's prefix cache (off: --disable-radix-cache)
+    enable_cache_report: bool = False  # usage.prompt_tokens_details.cached_tokens (OpenAI)
     faults: Faults = field(default_factory=Faults)
     trace: IO[bytes] | None = None
     engine: Any = None
@@ -54,7 +56,10 @@ class SimBackend:
 
     def __post_init__(self) -> None:
         if self.engine is None:
-            self.engine = Engine(self.profile, WallClock(self.time_scale), seed=self.seed)
+            self.engine = Engine(
+                self.profile, WallClock(self.time_scale), seed=self.seed,
+                radix_cache=self.radix_cache,
+            )  # fmt: skip
         self.metrics = SimMetrics(
             self.engine,
             model_name=self.model_name,

@@ -40,7 +40,7 @@ def running_usage(gen: Generation) -> dict:
         "prompt_tokens": gen.prompt_tokens,
         "total_tokens": gen.prompt_tokens + gen.completion_tokens,
         "completion_tokens": gen.completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": gen.prompt_tokens_details(),
         "reasoning_tokens": 0,
     }
 

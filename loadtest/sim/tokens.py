@@ -7,10 +7,20 @@ overhead per message (role markers), as a chat template does.
 
 Generated tokens are ids into `VOCAB`; `token_text(id)` is " word". Ids come from a seeded
 generator keyed by (seed, rid or prompt), so the same seed and key always give the same text.
+
+Prompt token ids (`prompt_token_ids`, `chat_prompt_ids`) are a deterministic function of the
+text, so the prefix cache (loadtest/sim/prefix_cache.py) sees the same tokens for the same
+text in every process: a `VOCAB` word is its index (so generated text sent back in the next
+turn of a conversation maps to the very ids that were generated), any other word a stable
+hash above the special ids. A chat prompt is rendered as a chat template would: per message
+`[START, role, NEWLINE] + content + [END]`, then `[START, assistant, NEWLINE]` for the turn
+the model writes; so a prompt's first three tokens (the first message's header) are shared by
+every chat prompt whose first message has the same role, as on a real template.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Iterable, Mapping
@@ -46,6 +56,39 @@ _WORDS = (
 VOCAB: tuple[str, ...] = tuple(dict.fromkeys(_WORDS))
 EOS_TOKEN_ID = len(VOCAB)  # outside VOCAB: never emitted as text
 
+# Special ids of the chat template, just above EOS (an assistant message ends with EOS, as
+# templates whose end-of-turn token is the EOS token do).
+CHAT_START_ID = EOS_TOKEN_ID + 1
+CHAT_NEWLINE_ID = EOS_TOKEN_ID + 2
+CHAT_END_ID = EOS_TOKEN_ID
+EMPTY_PROMPT_ID = EOS_TOKEN_ID + 3  # the one token of an empty prompt
+# Words outside VOCAB (and role names) hash into [HASHED_ID_BASE, HASHED_ID_BASE + SPACE).
+HASHED_ID_BASE = 1024
+HASHED_ID_SPACE = 1 << 30
+_VOCAB_INDEX = {w: i for i, w in enumerate(VOCAB)}
+_WORD_ID_CACHE_SIZE = 1 << 16
+
+
+@functools.lru_cache(maxsize=_WORD_ID_CACHE_SIZE)
+def _hashed_id(word: str) -> int:
+    digest = hashlib.blake2b(word.encode(), digest_size=8).digest()
+    return HASHED_ID_BASE + int.from_bytes(digest, "big") % HASHED_ID_SPACE
+
+
+def word_token_id(word: str) -> int:
+    """The id of one word: its VOCAB index, else a stable hash (the same in every process)."""
+    index = _VOCAB_INDEX.get(word)
+    return index if index is not None else _hashed_id(word)
+
+
+def _word_ids(text: str) -> list[int]:
+    return [word_token_id(w) for w in text.split()]
+
+
+def prompt_token_ids(text: str) -> list[int]:
+    """Token ids of a text prompt: one per whitespace-separated word, at least one."""
+    return _word_ids(text) or [EMPTY_PROMPT_ID]
+
 
 def count_prompt_tokens(text: str) -> int:
     """Tokens of a text prompt: one per whitespace-separated word, at least 1."""
@@ -60,6 +103,23 @@ def _content_text(content: Any) -> str:
     if isinstance(content, list):  # OpenAI content parts
         return " ".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
     return str(content)
+
+
+def _turn_header(role: str) -> list[int]:
+    return [CHAT_START_ID, word_token_id(f"<|role:{role}|>"), CHAT_NEWLINE_ID]
+
+
+def chat_prompt_ids(messages: Iterable[Mapping[str, Any]]) -> list[int]:
+    """Token ids of a chat prompt as the template renders it (see the module docstring):
+    ``CHAT_TOKENS_PER_MESSAGE`` per message around its words, ``CHAT_TOKENS_PER_PROMPT`` for
+    the assistant turn to write."""
+    ids: list[int] = []
+    for m in messages:
+        ids += _turn_header(str(m.get("role", "user")))
+        ids += _word_ids(_content_text(m.get("content")))
+        ids.append(CHAT_END_ID)
+    ids += _turn_header("assistant")
+    return ids
 
 
 def chat_prompt_tokens(messages: Iterable[Mapping[str, Any]]) -> int:
