@@ -129,9 +129,9 @@ async def execute(
                 rec.error_message = f"HTTP {resp.status}: {_error_message(body)}"
                 return rec
             if target.stream:
-                await _read_stream(resp, target.api, rec)
+                await _read_stream(resp, target.api, rec, spec.keep_answer)
             else:
-                await _read_whole(resp, target.api, rec)
+                await _read_whole(resp, target.api, rec, spec.keep_answer)
     except asyncio.CancelledError:
         rec.error = rec.error or CANCELLED
         rec.error_message = rec.error_message or "stopped before the response finished"
@@ -144,12 +144,15 @@ async def execute(
     return rec
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, api: str, rec: RequestRecord) -> None:
+async def _read_stream(
+    resp: aiohttp.ClientResponse, api: str, rec: RequestRecord, keep_answer: bool = False
+) -> None:
     framer = SSEFramer()
     counter = TokenCounter(api)  # type: ignore[arg-type]
     times, counts = rec.token_times, rec.token_counts
     mono = time.monotonic
     content = resp.content
+    answer = Answer(api) if keep_answer else None
     try:
         while True:
             chunk = await content.readany()
@@ -161,12 +164,17 @@ async def _read_stream(resp: aiohttp.ClientResponse, api: str, rec: RequestRecor
                 if n:
                     times.append(t)
                     counts.append(n)
+                    if answer is not None:
+                        answer.event(payload)
     finally:  # also when the stream is cut (cancelled, network error): keep what arrived
         if times:
             rec.t_first = times[0]
             rec.t_last = times[-1]
     rec.completion_tokens = counter.completion_tokens
     rec.prompt_tokens = counter.prompt_tokens
+    rec.cached_tokens = counter.cached_tokens
+    if answer is not None:
+        rec.answer = answer.text()
     rec.finish_reason = counter.finish_reason
     if counter.error is not None:
         rec.error = "stream_error"
@@ -182,7 +190,9 @@ async def _read_stream(resp: aiohttp.ClientResponse, api: str, rec: RequestRecor
         rec.error_message = "the server aborted the request"
 
 
-async def _read_whole(resp: aiohttp.ClientResponse, api: str, rec: RequestRecord) -> None:
+async def _read_whole(
+    resp: aiohttp.ClientResponse, api: str, rec: RequestRecord, keep_answer: bool = False
+) -> None:
     body = await resp.read()
     t = time.monotonic()
     try:
@@ -202,11 +212,17 @@ async def _read_whole(resp: aiohttp.ClientResponse, api: str, rec: RequestRecord
         n, p = meta.get("completion_tokens"), meta.get("prompt_tokens")
         fr = meta.get("finish_reason")
         rec.finish_reason = fr.get("type") if isinstance(fr, dict) else fr
+        cached = meta.get("cached_tokens")
     else:
         usage = obj.get("usage") or {}
         n, p = usage.get("completion_tokens"), usage.get("prompt_tokens")
         first = (obj.get("choices") or [{}])[0]
         rec.finish_reason = first.get("finish_reason") if isinstance(first, dict) else None
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    rec.cached_tokens = cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+    if keep_answer:
+        rec.answer = whole_answer(api, obj)
     rec.completion_tokens = n if isinstance(n, int) else None
     rec.prompt_tokens = p if isinstance(p, int) else None
     if rec.completion_tokens:
@@ -220,6 +236,57 @@ async def _read_whole(resp: aiohttp.ClientResponse, api: str, rec: RequestRecord
     elif rec.finish_reason == "abort":
         rec.error = "aborted"
         rec.error_message = "the server aborted the request"
+
+
+# ---------------------------------------------------------------------------------------
+# Answers (multi-turn workloads send them back)
+
+
+def _choice(obj: Any) -> dict:
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    first = choices[0] if isinstance(choices, list) and choices else None
+    return first if isinstance(first, dict) else {}
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+class Answer:
+    """The text of a streamed answer, from its token events: chat deltas and completion texts
+    add up; ``/generate`` events carry the whole text so far (SGLang's default), so the last
+    one is the answer."""
+
+    def __init__(self, api: str) -> None:
+        self.api = api
+        self._parts: list[str] = []
+        self._whole = ""
+
+    def event(self, payload: bytes) -> None:
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return
+        if self.api == "generate":
+            self._whole = _str(obj.get("text")) if isinstance(obj, dict) else self._whole
+        elif self.api == "chat":
+            delta = _choice(obj).get("delta")
+            self._parts.append(_str(delta.get("content")) if isinstance(delta, dict) else "")
+        else:
+            self._parts.append(_str(_choice(obj).get("text")))
+
+    def text(self) -> str:
+        return self._whole if self.api == "generate" else "".join(self._parts)
+
+
+def whole_answer(api: str, obj: dict) -> str:
+    """The text of a non-streamed answer."""
+    if api == "generate":
+        return _str(obj.get("text"))
+    if api == "chat":
+        message = _choice(obj).get("message")
+        return _str(message.get("content")) if isinstance(message, dict) else ""
+    return _str(_choice(obj).get("text"))
 
 
 # ---------------------------------------------------------------------------------------

@@ -39,6 +39,12 @@ class RequestRecord:
     error_message: str | None = None
     finish_reason: str | None = None
     served_by: str | None = None  # the backend a proxy named in X-Pipefill-Backend, if any
+    # prompt tokens the server said it had in its prefix cache (usage.prompt_tokens_details or
+    # meta_info); None when it said nothing (SGLang's OpenAI routes without
+    # --enable-cache-report)
+    cached_tokens: int | None = None
+    # the answer's text, kept only while a multi-turn workload needs it (never saved)
+    answer: str | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -78,7 +84,9 @@ class RequestRecord:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["answer"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestRecord:

@@ -85,6 +85,9 @@ def level_table(levels: Sequence[LevelSummary], *, title: str | None = None) -> 
         table.add_column(header, justify="right")
     if show_goodput:
         table.add_column("goodput\nreq/s (%)", justify="right")
+    show_cache = any(level.cache for level in levels)
+    if show_cache:
+        table.add_column("cache\nhit", justify="right")
     table.add_column("errors", justify="right")
     for level in levels:
         row: list[Text | str] = [
@@ -104,9 +107,35 @@ def level_table(levels: Sequence[LevelSummary], *, title: str | None = None) -> 
             else:
                 pct = "" if level.slo_attainment is None else f" ({level.slo_attainment:.0%})"
                 row.append(f"{fmt_num(level.goodput)}{pct}")
+        if show_cache:
+            row.append(fmt_hit(level.cache))
         n_errors = sum(level.errors.values())
         row.append(Text(str(n_errors), style="red" if n_errors else ""))
         table.add_row(*row)
+    return table
+
+
+def fmt_hit(cache: dict[str, Any] | None) -> str:
+    """A level's reported cache hit rate; n/a when its servers reported none."""
+    return "n/a" if not cache else f"{cache['hit_rate']:.1%}"
+
+
+def cache_table(levels: Sequence[LevelSummary]) -> Table | None:
+    """Cache hit rate per backend that served (when a proxy named them) at each level."""
+    names = sorted({n for lv in levels if lv.cache for n in lv.cache.get("by_backend", {})})
+    if not names:
+        return None
+    table = Table(title="prefix cache hit rate per backend (requests)", title_justify="left",
+                  header_style="bold")  # fmt: skip
+    table.add_column("C", justify="right")
+    for name in names:
+        table.add_column(name, justify="right")
+    for level in levels:
+        by = (level.cache or {}).get("by_backend", {})
+        cells = [
+            f"{by[n]['hit_rate']:.1%} ({by[n]['requests']})" if n in by else DASH for n in names
+        ]
+        table.add_row(level.label, *cells)
     return table
 
 
@@ -265,6 +294,9 @@ def render_run(
                 style="dim",
             )
         )
+    per_backend = cache_table(result.levels)
+    if per_backend is not None:
+        console.print(per_backend)
     console.print(checks_table(result.levels))
     for level in result.levels:
         for warning in level_warnings(level):

@@ -16,7 +16,7 @@ from typing import Any
 
 from loadtest.cli import CliError
 from loadtest.interrupt import run_stoppable
-from loadtest.workload import API_PATHS, LengthDist, WorkloadConfig, load_dataset
+from loadtest.workload import API_PATHS, WORKLOADS, LengthDist, WorkloadConfig, load_dataset
 
 DEFAULT_CONCURRENCY = "1,4,32"
 # the workload the simulator's profiles were calibrated with (1024-token prompts, 512 out)
@@ -232,6 +232,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="every prompt starts with the same N words (default 0: all unique)",
     )
+    w.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="unique",
+        help="unique prompts (default); shared-prefix: one of --prefix-groups system prompts "
+        "of --prefix-tokens words, then a unique question of --input-len; multi-turn: every "
+        "client re-sends its conversation (history, the answers it got, a new question) for "
+        "--turns turns, then starts another",
+    )
+    w.add_argument("--prefix-groups", type=int, default=None, metavar="G",
+                   help="shared-prefix: how many system prompts (default 8)")  # fmt: skip
+    w.add_argument("--prefix-tokens", type=int, default=None, metavar="S",
+                   help="shared-prefix: words of each system prompt (default 2048)")  # fmt: skip
+    w.add_argument(
+        "--prefix-skew", type=float, default=None, metavar="F",
+        help="shared-prefix: the first group's share of the requests, the rest uniform "
+        "(default: all groups alike)",
+    )  # fmt: skip
+    w.add_argument("--turns", type=int, default=None, metavar="K",
+                   help="multi-turn: turns per conversation (default 4)")  # fmt: skip
     w.add_argument("--dataset", metavar="FILE", help="ShareGPT JSON or JSONL prompts")
     w.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths, arrivals")
     w.add_argument(
@@ -283,6 +303,20 @@ def _validate(args: argparse.Namespace) -> None:
         raise CliError("--processes must be >= 1", status=2)
     if args.shared_prefix < 0:
         raise CliError("--shared-prefix must be >= 0", status=2)
+    shared = ("--prefix-groups", "--prefix-tokens", "--prefix-skew")
+    for flag in shared:
+        if getattr(args, flag[2:].replace("-", "_")) is not None and (
+            args.workload != "shared-prefix"
+        ):
+            raise CliError(f"{flag} is for --workload shared-prefix", status=2)
+    if args.turns is not None and args.workload != "multi-turn":
+        raise CliError("--turns is for --workload multi-turn", status=2)
+    if args.workload == "multi-turn" and args.rate:
+        raise CliError(
+            "--workload multi-turn needs closed-loop clients (--concurrency): each keeps a "
+            "conversation",
+            status=2,
+        )
     if args.max_in_flight < 1:
         raise CliError("--max-in-flight must be >= 1", status=2)
     if not args.url.startswith(("http://", "https://")):
@@ -325,10 +359,20 @@ def run(args: argparse.Namespace) -> int:
         output_len_given=args.output_len is not None,
         ignore_eos=args.ignore_eos,
         shared_prefix=args.shared_prefix,
+        workload=args.workload,
+        **{
+            k: v
+            for k in ("prefix_groups", "prefix_tokens", "prefix_skew", "turns")
+            if (v := getattr(args, k)) is not None
+        },
         seed=args.seed,
         dataset=dataset,
         temperature=args.temperature,
     )
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise CliError(str(exc), status=2) from None
     from loadtest.runner import Sweep, SweepOptions
 
     options = SweepOptions(

@@ -151,13 +151,16 @@ async def run_level(
     lag.start()
 
     async def one(rec: RequestRecord, closed: bool) -> None:
-        spec = workload.next()
+        spec = workload.next(rec.worker)
         records.append(rec)
         live.started(rec)
         try:
             await execute(session, target, spec, rec, closed_loop=closed)
         finally:
             live.finished(rec)
+            if workload.needs_answers:
+                workload.answered(rec.worker, rec.answer if rec.ok and rec.answer else None)
+                rec.answer = None
             if on_record is not None:
                 on_record(rec)
 

@@ -153,6 +153,8 @@ class LevelSummary:
     usage_missing: int = 0  # successful requests without usage.completion_tokens
     early_stops: int = 0  # successful requests with fewer tokens than requested
     prompt_tokens: dict[str, float | int | None] = field(default_factory=dict)
+    # prefix cache hits as the servers reported them (``cache_summary``); None: none reported
+    cache: dict[str, Any] | None = None
     selfcheck: dict[str, Any] | None = None
     repeats: int = 1
     spread: dict[str, dict[str, float]] | None = None
@@ -429,8 +431,40 @@ def summarize_level(
                 if r.prompt_tokens is not None and r.prompt_tokens != r.requested_input_len
             ),
         },
+        cache=cache_summary(ok),
         selfcheck=dict(selfcheck) if selfcheck else None,
     )
+
+
+def _hit(records: Sequence[RequestRecord]) -> tuple[int, int]:
+    return sum(r.cached_tokens or 0 for r in records), sum(r.prompt_tokens or 0 for r in records)
+
+
+def cache_summary(ok: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """The prefix-cache hit rate of successful requests whose server reported cached tokens:
+    cached / prompt tokens, summed (so long prompts weigh what they cost), overall and per
+    backend that served (``X-Pipefill-Backend``). None when no server reported any: unknown,
+    not zero (SGLang's OpenAI routes report it only with ``--enable-cache-report``)."""
+    reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    if not reported:
+        return None
+    cached, prompt = _hit(reported)
+    by: dict[str, list[RequestRecord]] = {}
+    for r in reported:
+        if r.served_by is not None:
+            by.setdefault(r.served_by, []).append(r)
+    backends = {}
+    for name, rs in sorted(by.items()):
+        c, p = _hit(rs)
+        backends[name] = {"hit_rate": c / p, "requests": len(rs)}
+    return {
+        "hit_rate": cached / prompt,
+        "cached_tokens": cached,
+        "prompt_tokens": prompt,
+        "reported": len(reported),
+        "unreported": len(ok) - len(reported),
+        "by_backend": backends,
+    }
 
 
 def _mean(values: Sequence[float]) -> float | None:

@@ -8,19 +8,30 @@ The simulator (`loadtest sim`) counts exactly one token per whitespace-separated
 
 Every payload is a pure function of ``(seed, index)``: the same seed gives the same sequence
 of requests whatever the timing, so runs are reproducible and the payloads can be saved.
+
+Three workloads (``WorkloadConfig.workload``): ``unique`` prompts, where a prefix cache cannot
+help; ``shared-prefix`` groups (one of G system prompts of S tokens, then a unique question,
+the shape of SGLang bench_serving's ``generated-shared-prefix``); and ``multi-turn``
+conversations, where each closed-loop client re-sends its history with the answers it got
+(`Conversation`), so turn k's prompt holds turn k-1's prompt and answer as its prefix. Only a
+multi-turn history depends on the server: its questions still follow from ``(seed, index)``.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import orjson
 
 Api = Literal["chat", "completions", "generate"]
+WorkloadKind = Literal["unique", "shared-prefix", "multi-turn"]
+WORKLOADS: tuple[str, ...] = ("unique", "shared-prefix", "multi-turn")
+#: what separates a system prompt from its question, and turns of a text history
+TURN_SEPARATOR = "\n\n"
 
 API_PATHS: dict[str, str] = {
     "chat": "/v1/chat/completions",
@@ -240,6 +251,16 @@ class RequestSpec:
     body: bytes
     input_len: int  # requested prompt length in tokens (words) — 0 when unknown (dataset)
     output_len: int  # max_tokens / max_new_tokens asked for
+    keep_answer: bool = False  # multi-turn: the client keeps the answer's text for the next turn
+
+
+@dataclass(slots=True)
+class Conversation:
+    """One closed-loop client's conversation: the messages so far and the question in flight."""
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    turns: int = 0  # answered turns
+    question: str | None = None  # asked, not answered yet
 
 
 @dataclass
@@ -252,6 +273,12 @@ class WorkloadConfig:
     output_len_given: bool = True  # False: a dataset's own per-prompt hint wins
     ignore_eos: bool | None = None  # None: on for synthetic prompts, off for a dataset
     shared_prefix: int = 0  # words shared by every prompt (prefix-cache workloads)
+    workload: WorkloadKind = "unique"
+    prefix_groups: int = 8  # shared-prefix: how many system prompts
+    prefix_tokens: int = 2048  # shared-prefix: words (tokens) of each system prompt
+    # shared-prefix: group 0's share of the requests (the rest spread evenly); None: uniform
+    prefix_skew: float | None = None
+    turns: int = 4  # multi-turn: turns per conversation
     seed: int = 0
     dataset: list[DatasetPrompt] | None = None
     temperature: float | None = None
@@ -261,8 +288,45 @@ class WorkloadConfig:
     def effective_ignore_eos(self) -> bool:
         return (self.dataset is None) if self.ignore_eos is None else self.ignore_eos
 
+    def validate(self) -> None:
+        """Raise ValueError (one line naming the option) for a workload that cannot be made."""
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.workload!r}: expected {', '.join(WORKLOADS)}")
+        if self.workload != "unique" and self.dataset is not None:
+            raise ValueError(f"--workload {self.workload} makes synthetic prompts: drop --dataset")
+        if self.workload != "unique" and self.shared_prefix:
+            raise ValueError(
+                f"--shared-prefix is for unique prompts; --workload {self.workload} has its own "
+                "prefixes"
+            )
+        if self.prefix_groups < 1:
+            raise ValueError(f"--prefix-groups must be >= 1, got {self.prefix_groups}")
+        if self.prefix_tokens < 1:
+            raise ValueError(f"--prefix-tokens must be >= 1, got {self.prefix_tokens}")
+        if self.prefix_skew is not None:
+            if not 0.0 < self.prefix_skew <= 1.0:
+                raise ValueError(
+                    f"--prefix-skew is group 0's share of the requests: a number in (0, 1], "
+                    f"got {self.prefix_skew:g}"
+                )
+            if self.prefix_groups < 2:
+                raise ValueError("--prefix-skew needs --prefix-groups >= 2")
+        if self.turns < 1:
+            raise ValueError(f"--turns must be >= 1, got {self.turns}")
+
     def describe(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.workload == "shared-prefix":
+            extra = {
+                "prefix_groups": self.prefix_groups,
+                "prefix_tokens": self.prefix_tokens,
+                "prefix_skew": self.prefix_skew,
+            }
+        elif self.workload == "multi-turn":
+            extra = {"turns": self.turns}
         return {
+            "workload": self.workload,
+            **extra,
             "api": self.api,
             "model": self.model,
             "stream": self.stream,
@@ -292,6 +356,12 @@ class Workload:
         self._step = step  # several processes share one sequence: process p takes p, p+N, ...
         self.sink = sink  # when a list, every spec handed out is appended (--save-payloads)
         self._prefix = self._words(random.Random(f"{config.seed}:prefix"), config.shared_prefix)
+        self._groups = (
+            [self._group_prompt(g) for g in range(config.prefix_groups)]
+            if config.workload == "shared-prefix"
+            else []
+        )
+        self._conversations: dict[int, Conversation] = {}
         self._order: list[int] = []
         if config.dataset:
             self._order = list(range(len(config.dataset)))
@@ -301,13 +371,71 @@ class Workload:
     def _words(rng: random.Random, n: int) -> list[str]:
         return rng.choices(WORDS, k=n) if n > 0 else []
 
-    def next(self) -> RequestSpec:
+    def _group_prompt(self, g: int) -> str:
+        """Group g's system prompt: ``prefix_tokens`` words, the first ``SALT_WORDS`` of them
+        g written in base len(WORDS), so that groups differ from their first block on."""
+        rng = random.Random(f"{self.config.seed}:group:{g}")
+        n = self.config.prefix_tokens
+        salt, x = [], g
+        for _ in range(min(SALT_WORDS, n)):
+            salt.append(WORDS[x % len(WORDS)])
+            x //= len(WORDS)
+        return " ".join([*salt, *self._words(rng, n - len(salt))])
+
+    def group_of(self, i: int) -> int:
+        """Which system prompt request i uses: group 0 with probability ``prefix_skew`` (the
+        rest uniform over the others), or uniform over all without a skew."""
+        c = self.config
+        rng = random.Random(f"{c.seed}:{i}:group")
+        if c.prefix_skew is None:
+            return rng.randrange(c.prefix_groups)
+        if rng.random() < c.prefix_skew:
+            return 0
+        return 1 + rng.randrange(c.prefix_groups - 1)
+
+    @property
+    def needs_answers(self) -> bool:
+        """Multi-turn: the next request of a client depends on the answer it got."""
+        return self.config.workload == "multi-turn"
+
+    def next(self, worker: int = 0) -> RequestSpec:
+        """The next request; ``worker`` names the client whose conversation it continues."""
         i = self._next
         self._next += self._step
-        spec = self.spec(i)
+        spec = self.turn(i, worker) if self.needs_answers else self.spec(i)
         if self.sink is not None:
             self.sink.append((spec.index, spec.path, spec.body))
         return spec
+
+    def answered(self, worker: int, answer: str | None) -> None:
+        """The worker's request finished with ``answer`` (None: it failed, so the
+        conversation starts over: its history is not what a server has seen)."""
+        conv = self._conversations.get(worker)
+        if conv is None or conv.question is None:
+            return
+        if answer is None:
+            del self._conversations[worker]
+            return
+        conv.messages += [
+            {"role": "user", "content": conv.question},
+            {"role": "assistant", "content": answer},
+        ]
+        conv.turns += 1
+        conv.question = None
+
+    def turn(self, i: int, worker: int) -> RequestSpec:
+        """Multi-turn: the worker's history, then a new question of ``input_len`` words; a
+        conversation of ``turns`` answered turns is replaced by a new one."""
+        c = self.config
+        conv = self._conversations.get(worker)
+        if conv is None or conv.turns >= c.turns:
+            conv = self._conversations[worker] = Conversation()
+        rng = random.Random(f"{c.seed}:{i}")
+        output_len = c.output_len.sample(rng)
+        conv.question = self.synthetic_prompt(i, rng, c.input_len.sample(rng))
+        messages = [*conv.messages, {"role": "user", "content": conv.question}]
+        text = TURN_SEPARATOR.join(m["content"] for m in messages)
+        return self._request(i, messages, text, len(text.split()), output_len, keep=True)
 
     def synthetic_prompt(self, i: int, rng: random.Random, n_words: int) -> str:
         """``n_words`` words: the shared prefix, a unique salt from ``i``, then random words."""
@@ -339,6 +467,23 @@ class Workload:
             input_len = c.input_len.sample(rng)
             text = self.synthetic_prompt(i, rng, input_len)
             messages = [{"role": "user", "content": text}]
+            if self._groups:  # shared-prefix: a group's system prompt before the question
+                system = self._groups[self.group_of(i)]
+                messages.insert(0, {"role": "system", "content": system})
+                text = system + TURN_SEPARATOR + text
+                input_len += c.prefix_tokens
+        return self._request(i, messages, text, input_len, output_len)
+
+    def _request(
+        self,
+        i: int,
+        messages: list[dict[str, str]],
+        text: str,
+        input_len: int,
+        output_len: int,
+        keep: bool = False,
+    ) -> RequestSpec:
+        c = self.config
         body = build_payload(
             c.api,
             model=c.model,
@@ -350,7 +495,9 @@ class Workload:
             temperature=c.temperature,
             extra=c.extra_body,
         )
-        return RequestSpec(i, API_PATHS[c.api], orjson.dumps(body), input_len, output_len)
+        return RequestSpec(
+            i, API_PATHS[c.api], orjson.dumps(body), input_len, output_len, keep_answer=keep
+        )
 
 
 def build_payload(
