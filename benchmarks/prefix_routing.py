@@ -39,6 +39,7 @@ from typing import Any
 from harness import (
     Harness,
     backend_entries,
+    get_json,
     get_text,
     level_row,
     load_cpu,
@@ -91,7 +92,10 @@ def run_one(workload: str, front: str, args: argparse.Namespace, tag: str) -> di
             for i, e in enumerate(entries):
                 e["name"] = f"b{i}"
             routing = {"policy": "latency", "prefix_affinity": front == "affinity"}
-            fe = h.proxy(proxy_toml(entries, time_scale=ts, routing=routing))
+            if args.load_factor is not None:
+                routing["prefix_load_factor"] = args.load_factor
+            limits = {"algorithm": "fixed", "initial": args.fixed} if args.fixed else {}
+            fe = h.proxy(proxy_toml(entries, time_scale=ts, routing=routing, limits=limits))
         cmd = ["--api", "chat", "--concurrency", str(args.concurrency)]
         cmd += ["--warmup", str(args.warmup), "--duration", str(args.duration)]
         cmd += ["--drain-timeout", "0", "--output-len", args.output_len, "--seed", "7"]
@@ -100,6 +104,14 @@ def run_one(workload: str, front: str, args: argparse.Namespace, tag: str) -> di
         result = h.loadtest(fe.url, cmd, name=f"loadtest-{workload}-{front}")
         wall = time.monotonic() - t0
         servers = server_counts(urls)
+        proxy_view = None
+        if not front.startswith("router:"):
+            backends = get_json(f"{fe.url}/admin/backends").get("backends", [])
+            proxy_view = {
+                "limits": {b["name"]: b["limit"] for b in backends},
+                "queue": get_json(f"{fe.url}/admin/queue"),
+                "prefix": get_json(f"{fe.url}/admin/prefix"),
+            }
     level = result["levels"][0]
     prompt = sum(s["prompt"] for s in servers.values())
     cached = sum(s["cached"] for s in servers.values())
@@ -110,6 +122,7 @@ def run_one(workload: str, front: str, args: argparse.Namespace, tag: str) -> di
         "hit_rate_reported": (level.get("cache") or {}).get("hit_rate"),
         "hit_rate_servers": cached / prompt if prompt else None,
         "served": {n: int(s["requests"]) for n, s in servers.items()},
+        "proxy": proxy_view,
         "wall_s": wall,
     }
 
@@ -221,8 +234,13 @@ def main() -> int:
     ap.add_argument("--fronts", default=",".join(FRONTS))
     ap.add_argument("--repeats", type=positive_int, default=1)
     ap.add_argument("--seed", type=int, default=1, help="simulator seed")
+    ap.add_argument("--fixed", type=positive_int, default=None,
+                    help="pipefill with a fixed limit per backend instead of adaptive")  # fmt: skip
+    ap.add_argument("--load-factor", type=float, default=None,
+                    help="pipefill's [routing] prefix_load_factor (default: its own)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="short smoke run")
     ap.add_argument("--no-save", action="store_true", help="print only")
+    ap.add_argument("--verbose", action="store_true", help="print the proxy's view of each run")
     args = ap.parse_args()
     for name, known in ((args.workloads, WORKLOADS), (args.fronts, FRONTS)):
         bad = [x for x in name.split(",") if x not in known]
@@ -244,6 +262,9 @@ def main() -> int:
     rows = median_rows(runs)
     text = report(args, rows, time.monotonic() - t0)
     print(text)
+    if args.verbose:
+        for r in runs:
+            print(r["workload"], r["front"], r["proxy"])
     if not args.no_save:
         write_results(
             "prefix_routing" + ("-quick" if args.quick else ""),

@@ -25,11 +25,17 @@ The choice among candidates:
 
 - each candidate's *claim* is the fraction of the prompt it is expected to hold (matched blocks /
   prompt, times its trust), zero when it is beyond its load bound;
-- its cost is the latency policy's expected completion with TTFT discounted by the claim;
-- among the candidates within ``NEAR_BEST`` of the cheapest cost, the largest claim wins;
-- with no claim there (a cold prefix, or a unique prompt), **rendezvous hashing** of the prompt's
-  leading block picks among them (within their load bound): replicas of the proxy that share
-  nothing send a new prefix group to the same backend, given the same backend names.
+- its cost is the latency policy's expected completion with TTFT discounted by the claim, less
+  that discount once more for every request the backend runs: a prefill it skips would have
+  stalled each of them (SGLang batches prefill with decode);
+- among the candidates within ``NEAR_BEST`` of the cheapest cost, the largest claim wins (the
+  claims within ``NEAR_BEST`` of it count as equal, and **rendezvous hashing** of the prompt's
+  leading block picks among them, so a prefix that spilled onto several backends keeps going
+  to one of them, where it stays hot); the load bound is what keeps a hot prefix from piling
+  up (consistent hashing with bounded loads);
+- with no claim there (a cold prefix, or a unique prompt), rendezvous hashing picks among
+  them (within their load bound): replicas of the proxy that share nothing send a new prefix
+  group to the same backend, given the same backend names.
 
 The index (:class:`PrefixIndex`) is one bounded LRU map, chained block hash -> the backends that
 were sent it (a bit mask), learnt from what the proxy routed, capped in bytes. Leading blocks are
@@ -341,12 +347,19 @@ class PrefixRouting:
             if blocks and self._within(b, fleet):
                 claim = prompt.fraction(blocks) * self.index.trust(b.name)
             cost = self.estimate.expected_completion(b, out, claim)
+            if claim > 0 and cost >= 0:
+                # the prefill it skips would also have stalled every request b runs
+                saved = self.estimate.expected_completion(b, out) - cost
+                cost = max(cost - saved * b.in_flight, 0.0)
             scored.append(_Scored(cost, claim, b, blocks))
         near = _near_best(scored)
         claimed = [s for s in near if s.claim > 0]
         if claimed:
-            s = max(claimed, key=lambda s: (s.claim, -s.cost))
-            return s.backend, s.blocks
+            # claims within NEAR_BEST of the longest are equally good (see the docstring)
+            top = max(s.claim for s in claimed)
+            held = [s for s in claimed if s.claim >= top * (1.0 - NEAR_BEST)]
+            b = rendezvous(prompt.hashes[0], [s.backend for s in held])
+            return b, matched.get(b.name, 0)
         bounded = [s.backend for s in near if self._within(s.backend, fleet)]
         b = rendezvous(prompt.hashes[0], bounded or [s.backend for s in near])
         return b, matched.get(b.name, 0)

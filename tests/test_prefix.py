@@ -198,6 +198,38 @@ def test_a_prefix_held_by_a_slower_backend_loses_to_a_much_faster_one():
     assert b is fast and blocks == 0  # prefill saved (0.4 s) < decoding slower (4 s)
 
 
+def test_a_busy_backend_holding_the_prefix_wins_the_prefill_it_spares_its_batch():
+    """Alone, the hit saves less than the busier backend's extra wait; but the prefill it
+    skips would have stalled the 20 requests it runs: it keeps the prefix."""
+    clock = FakeClock()
+    held = measured("held", clock, ttft=0.5, itl=0.03, in_flight=20)
+    idle = measured("idle", clock, ttft=0.5, itl=0.02, in_flight=12)
+    r = routing(load_factor=2.0)
+    p = prompt_of(group(SYSTEM, "question " * 10), BLOCK)
+    r.learn(held, p, 0)
+    latency = Latency()
+    out = latency.mean_output([held, idle])
+    alone = latency.expected_completion(held, out, p.fraction(r.index.matched(p, "held")))
+    assert alone > latency.expected_completion(idle, out) * 1.1  # loses on this request alone
+    assert r.pick([held, idle], p, [held, idle])[0] is held
+
+
+def test_equal_claims_go_where_rendezvous_says_every_time():
+    """A prefix that spilled onto several backends keeps going to one of them."""
+    clock = FakeClock()
+    backends = [measured(f"b{i}", clock) for i in range(4)]
+    r = routing()
+    picks = Counter()
+    for g in range(20):
+        p = prompt_of(group(f"{g} " + SYSTEM, "question " * 10), BLOCK)
+        for b in backends:
+            r.learn(b, p, 0)  # every backend was sent it
+        first = r.pick(backends, p, backends)[0]
+        assert all(r.pick(backends, p, backends)[0] is first for _ in range(5))
+        picks[first.name] += 1
+    assert len(picks) >= 3  # spread over the fleet by the prefix, not all to one backend
+
+
 def test_stale_claims_lose_their_weight_when_the_backend_reports_fewer_cached_tokens():
     clock = FakeClock()
     a, b = measured("A", clock), measured("B", clock)
