@@ -303,7 +303,10 @@ class Admission:
         seqs = max(int(seqs), 1)
         if self.prefix is None:
             prompt = None
-        if front or not self._ahead(priority):
+        holds = self.depth < self._lookahead() and bool(
+            self._holds_for_home(backends, exclude, prompt, seqs, 0.0)
+        )
+        if (front or not self._ahead(priority)) and not holds:
             lease = self._bind(backends, exclude, priority, 0.0, seqs, prompt)
             if lease is not None:
                 return lease
@@ -504,7 +507,43 @@ class Admission:
         finally:
             self._note_waiters(backends)
 
+    def _lookahead(self) -> int:
+        return 0 if self.prefix is None else self.prefix.lookahead
+
+    def _holds_for_home(
+        self,
+        backends: list[Routed],
+        exclude: frozenset[str],
+        prompt: Prompt | None,
+        seqs: int,
+        waited: float,
+    ) -> Routed | None:
+        """The full backend this request waits for instead of taking a free slot elsewhere:
+        its prefix's home (proxy/prefix.py), within its load bound. A miss elsewhere costs its
+        prefill there, stalls that backend's batch and evicts another prefix; waiting costs at
+        most ``lookahead_age_s``, and at most ``lookahead`` waiters hold for one home, so a hot
+        prefix still spreads."""
+        prefix = self.prefix
+        if (
+            prefix is None
+            or prompt is None
+            or seqs > 1
+            or prefix.lookahead <= 1
+            or waited >= prefix.lookahead_age_s
+        ):
+            return None
+        home = prefix.home(prompt, backends)
+        if (
+            home is None
+            or not self._usable(home, exclude)
+            or home.in_flight < self._cap(home)
+            or not prefix.within_bound(home, backends)
+        ):
+            return None
+        return home
+
     def _hand_out(self, backends: list[Routed], now: float) -> None:
+        holding: dict[str, int] = {}  # waiters left waiting for their prefix's home, by home
         for p in PRIORITIES:
             q = self._queues[p]
             for key in list(q):
@@ -530,6 +569,10 @@ class Admission:
                     ):
                         return  # a later waiter took the last free slot; w stays first
                 waited = now - w.enqueued
+                home = self._holds_for_home(backends, w.exclude, w.prompt, w.seqs, waited)
+                if home is not None and holding.get(home.name, 0) < self._lookahead():
+                    holding[home.name] = holding.get(home.name, 0) + 1
+                    continue  # it waits for its home to free a slot; a later waiter may go
                 lease = self._bind(backends, w.exclude, p, waited, w.seqs, w.prompt)
                 if lease is None:
                     if w.seqs > 1:
@@ -548,10 +591,12 @@ class Admission:
         p: Priority,
         now: float,
     ) -> bool:
-        """The backend ``w`` would be bound to takes instead the waiter among the first
-        ``lookahead`` of its class whose prompt it holds more of than ``w``'s (the backend
-        pulls the work its cache fits); False when none does, or ``w`` may not be passed (it
-        waited ``lookahead_age_s``, has no prompt, or runs many sequences)."""
+        """The backend ``w`` would be bound to, when it is not ``w``'s prefix's home, takes
+        instead the waiter among the first ``lookahead`` of its class whose home it is (else
+        the one whose prompt it holds more of than ``w``'s): the backend pulls the work its
+        cache fits, so a queue does not scatter a prefix over whichever backend frees first.
+        False when none does, or ``w`` may not be passed (it waited ``lookahead_age_s``, has no
+        prompt, or runs many sequences)."""
         prefix = self.prefix
         if (
             prefix is None
@@ -564,7 +609,10 @@ class Admission:
         cands = self._free(backends, w.exclude, 1)
         if not cands:
             return False
-        b, best = prefix.pick(cands, w.prompt, backends)
+        b, blocks = prefix.pick(cands, w.prompt, backends)
+        if prefix.home(w.prompt, backends) is b:
+            return False  # w goes where its prefix lives
+        best = (False, blocks)
         chosen: tuple[int, _Waiter] | None = None
         for k2, w2 in islice(q.items(), prefix.lookahead):
             if (
@@ -575,9 +623,10 @@ class Admission:
                 or b.name in w2.exclude
             ):
                 continue
-            blocks = prefix.index.matched(w2.prompt, b.name)
-            if blocks > best:
-                best, chosen = blocks, (k2, w2)
+            # a waiter whose prefix lives on b first, then the one b holds most of
+            score = (prefix.home(w2.prompt, backends) is b, prefix.index.matched(w2.prompt, b.name))
+            if score > best:
+                best, chosen = score, (k2, w2)
         if chosen is None:
             return False
         k2, w2 = chosen

@@ -28,11 +28,13 @@ The choice among candidates:
 - its cost is the latency policy's expected completion with TTFT discounted by the claim, less
   that discount once more for every request the backend runs: a prefill it skips would have
   stalled each of them (SGLang batches prefill with decode);
-- among the candidates within ``NEAR_BEST`` of the cheapest cost, the largest claim wins (the
-  claims within ``NEAR_BEST`` of it count as equal, and **rendezvous hashing** of the prompt's
+- among the candidates within ``NEAR_BEST`` of the cheapest cost, the longest match wins (the
+  matches within ``NEAR_BEST`` of it count as equal, and **rendezvous hashing** of the prompt's
   leading block picks among them, so a prefix that spilled onto several backends keeps going
   to one of them, where it stays hot); the load bound is what keeps a hot prefix from piling
-  up (consistent hashing with bounded loads);
+  up (consistent hashing with bounded loads). Trust discounts a claim against backends that
+  hold nothing, never re-ranks the backends that hold it: a trust that moves with every report
+  would move prefixes from backend to backend, and each move evicts;
 - with no claim there (a cold prefix, or a unique prompt), rendezvous hashing picks among
   them (within their load bound): replicas of the proxy that share nothing send a new prefix
   group to the same backend, given the same backend names.
@@ -355,14 +357,26 @@ class PrefixRouting:
         near = _near_best(scored)
         claimed = [s for s in near if s.claim > 0]
         if claimed:
-            # claims within NEAR_BEST of the longest are equally good (see the docstring)
-            top = max(s.claim for s in claimed)
-            held = [s for s in claimed if s.claim >= top * (1.0 - NEAR_BEST)]
+            # matches within NEAR_BEST of the longest are equally good (see the docstring)
+            top = max(s.blocks for s in claimed)
+            held = [s for s in claimed if s.blocks >= top * (1.0 - NEAR_BEST)]
             b = rendezvous(prompt.hashes[0], [s.backend for s in held])
             return b, matched.get(b.name, 0)
         bounded = [s.backend for s in near if self._within(s.backend, fleet)]
         b = rendezvous(prompt.hashes[0], bounded or [s.backend for s in near])
         return b, matched.get(b.name, 0)
+
+    def home(self, prompt: Prompt, backends: Sequence[Routed]) -> Routed | None:
+        """Where ``prompt`` would go if every routable backend had a free slot, by its claims
+        alone (the longest, rendezvous among equals); None when none claims it. The queue
+        reads it to let a freed slot pull the waiters whose prefix lives there."""
+        names = [b.name for b in backends if b.routable]
+        matched = self.index.matches(prompt, names)
+        if not matched:
+            return None
+        top = max(matched.values())
+        held = [b for b in backends if matched.get(b.name, 0) >= top * (1.0 - NEAR_BEST) > 0]
+        return rendezvous(prompt.hashes[0], held)
 
     def learn(self, b: Routed, prompt: Prompt, blocks: int) -> float:
         """``prompt`` was bound to ``b``; the fraction of it predicted cached there."""

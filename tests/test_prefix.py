@@ -298,6 +298,31 @@ async def test_a_freed_slot_pulls_the_waiter_its_cache_fits():
     head.result().release()
 
 
+async def test_a_request_waits_for_its_full_home_rather_than_miss_on_a_free_backend():
+    clock = FakeClock()
+    a, b = measured("A", clock, limit=1), measured("B", clock, limit=1)
+    adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=0.5)
+    first = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
+    home = first.backend
+    elsewhere = b if home is a else a
+    again = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30))))
+    await settle()
+    assert not again.done() and elsewhere.in_flight == 0  # a free slot, yet it waits
+    first.release()
+    await settle()
+    assert again.done() and again.result().backend is home
+    # past the age bound it takes the free slot instead
+    late = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "z " * 30))))
+    await settle()
+    assert not late.done()
+    clock.advance(0.6)
+    adm.wake()
+    await settle()
+    assert late.done() and late.result().backend is elsewhere
+    again.result().release()
+    late.result().release()
+
+
 async def test_the_head_is_not_passed_over_past_its_age_bound():
     clock = FakeClock()
     a, b = measured("A", clock, limit=1), measured("B", clock, limit=1)
