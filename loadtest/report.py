@@ -396,6 +396,9 @@ def levels_markdown(levels: Sequence[LevelSummary]) -> str:
     show_goodput = any(level.slo for level in levels)
     if show_goodput:
         headers.append("goodput req/s")
+    show_cache = any(level.cache for level in levels)
+    if show_cache:
+        headers.append("cache hit")
     headers.append("errors")
     lines = ["| " + " | ".join(headers) + " |", "|" + "---:|" * len(headers)]
     for level in levels:
@@ -411,6 +414,8 @@ def levels_markdown(levels: Sequence[LevelSummary]) -> str:
             cells += [fmt_ms(dist.p50), fmt_ms(dist.p99)]
         if show_goodput:
             cells.append(fmt_num(level.goodput))
+        if show_cache:
+            cells.append(fmt_hit(level.cache))
         cells.append(str(sum(level.errors.values())))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -164,3 +164,22 @@ def test_bad_workload_flags_are_one_line_errors(fake, args, needle, capsys):
     err = capsys.readouterr().err
     assert needle in err
     assert "Traceback" not in err
+
+
+def test_reports_show_the_hit_rate_only_when_a_server_reported_one():
+    from loadtest.report import level_table, levels_markdown
+
+    def level(records):
+        return summarize_level(records, concurrency=2, window=(0.0, 10.0))
+
+    recs = []
+    for cached in (90, 10):
+        r = _rec(100, cached, "b0")
+        r.t_send = r.t_scheduled = 1.0
+        r.t_first = r.t_last = r.t_end = 2.0
+        r.token_times, r.token_counts, r.completion_tokens = [2.0], [5], 5
+        recs.append(r)
+    md = levels_markdown([level(recs)])
+    assert "cache hit" in md and "50.0%" in md
+    assert "cache hit" not in levels_markdown([level([_rec(100, None)])])
+    assert any(c.header == "cache\nhit" for c in level_table([level(recs)]).columns)
