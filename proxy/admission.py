@@ -517,12 +517,14 @@ class Admission:
         prompt: Prompt | None,
         seqs: int,
         waited: float,
+        holding: dict[str, int] | None = None,
     ) -> Routed | None:
         """The full backend this request waits for instead of taking a free slot elsewhere:
-        its prefix's home (proxy/prefix.py), within its load bound. A miss elsewhere costs its
-        prefill there, stalls that backend's batch and evicts another prefix; waiting costs at
-        most ``lookahead_age_s``, and at most ``lookahead`` waiters hold for one home, so a hot
-        prefix still spreads."""
+        its prefix's home (proxy/prefix.py), within its load bound, when the wait for a slot
+        there is expected to cost less than the miss elsewhere (``PrefixRouting.worth_waiting``;
+        ``holding``: how many wait for each home already, unknown for an arrival: then every
+        waiter counts). Never past ``lookahead_age_s``, never more than
+        ``lookahead`` holders for one home: a hot prefix still spreads."""
         prefix = self.prefix
         if (
             prefix is None
@@ -540,7 +542,11 @@ class Admission:
             or not prefix.within_bound(home, backends)
         ):
             return None
-        return home
+        holders = self.depth if holding is None else holding.get(home.name, 0)
+        if holders >= prefix.lookahead:
+            return None
+        free = self._free(backends, exclude, 1)
+        return home if prefix.worth_waiting(prompt, home, free, holders) else None
 
     def _hand_out(self, backends: list[Routed], now: float) -> None:
         holding: dict[str, int] = {}  # waiters left waiting for their prefix's home, by home
@@ -569,8 +575,8 @@ class Admission:
                     ):
                         return  # a later waiter took the last free slot; w stays first
                 waited = now - w.enqueued
-                home = self._holds_for_home(backends, w.exclude, w.prompt, w.seqs, waited)
-                if home is not None and holding.get(home.name, 0) < self._lookahead():
+                home = self._holds_for_home(backends, w.exclude, w.prompt, w.seqs, waited, holding)
+                if home is not None:
                     holding[home.name] = holding.get(home.name, 0) + 1
                     continue  # it waits for its home to free a slot; a later waiter may go
                 lease = self._bind(backends, w.exclude, p, waited, w.seqs, w.prompt)

@@ -378,6 +378,33 @@ class PrefixRouting:
         held = [b for b in backends if matched.get(b.name, 0) >= top * (1.0 - NEAR_BEST) > 0]
         return rendezvous(prompt.hashes[0], held)
 
+    def worth_waiting(
+        self, prompt: Prompt, home: Routed, free: Sequence[Routed], holders: int
+    ) -> bool:
+        """Whether waiting for a slot on ``home`` (full; ``holders`` wait for it already) is
+        expected to cost less than taking a free one elsewhere. The wait: one slot frees every
+        E2E / in-flight seconds there, and the holders go first. The miss, on the cheapest free
+        backend: the prefill of what the home holds, paid by this request and, batched with
+        their decode, by every request that backend runs (the eviction of another prefix it
+        causes is not counted: the rule errs toward not waiting)."""
+        if not free:
+            return True
+        blocks = self.index.matched(prompt, home.name)
+        claim = prompt.fraction(blocks) * self.index.trust(home.name)
+        out = self.estimate.mean_output([home, *free])
+        e2e = self.estimate.expected_completion(home, out)
+        if claim <= 0 or e2e < 0:
+            return False
+        wait = (holders + 1) * e2e / max(home.in_flight, 1)
+        miss = math.inf
+        for b in free:
+            full = self.estimate.expected_completion(b, out)
+            if full < 0:
+                return False  # unmeasured: the latency policy probes it
+            prefill = full - self.estimate.expected_completion(b, out, claim)
+            miss = min(miss, prefill * (1 + b.in_flight))
+        return wait < miss
+
     def learn(self, b: Routed, prompt: Prompt, blocks: int) -> float:
         """``prompt`` was bound to ``b``; the fraction of it predicted cached there."""
         self.index.learn(b.name, prompt, blocks)

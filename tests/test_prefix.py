@@ -298,17 +298,21 @@ async def test_a_freed_slot_pulls_the_waiter_its_cache_fits():
     head.result().release()
 
 
-async def test_a_request_waits_for_its_full_home_rather_than_miss_on_a_free_backend():
+async def test_a_request_waits_for_its_full_home_when_a_miss_elsewhere_costs_more():
+    """E2E 2.5 s: the full home (8 running) frees a slot every ~0.3 s; a miss on the other
+    backend (4 running) costs ~0.45 s of prefill for it and each of them: worth waiting."""
     clock = FakeClock()
-    a, b = measured("A", clock, limit=1), measured("B", clock, limit=1)
-    adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=0.5)
+    a, b = measured("A", clock, limit=8), measured("B", clock, limit=8)
+    adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=0.5, load_factor=2.0)
     first = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
     home = first.backend
     elsewhere = b if home is a else a
+    home.in_flight, elsewhere.in_flight = 8, 4
     again = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30))))
     await settle()
-    assert not again.done() and elsewhere.in_flight == 0  # a free slot, yet it waits
-    first.release()
+    assert not again.done()  # a slot is free on the other backend, yet it waits
+    home.in_flight -= 1
+    adm.wake()
     await settle()
     assert again.done() and again.result().backend is home
     # past the age bound it takes the free slot instead
@@ -319,8 +323,17 @@ async def test_a_request_waits_for_its_full_home_rather_than_miss_on_a_free_back
     adm.wake()
     await settle()
     assert late.done() and late.result().backend is elsewhere
-    again.result().release()
-    late.result().release()
+
+
+async def test_a_request_does_not_wait_when_its_home_frees_slowly_and_a_miss_is_cheap():
+    """One request runs on the home (a slot in 2.5 s), the other backend is idle (a miss costs
+    ~0.45 s): it goes there at once."""
+    clock = FakeClock()
+    a, b = measured("A", clock, limit=1), measured("B", clock, limit=1)
+    adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=5.0)
+    first = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
+    second = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30)))
+    assert second.backend is not first.backend
 
 
 async def test_the_head_is_not_passed_over_past_its_age_bound():
