@@ -22,9 +22,12 @@ cannot starve it; the slots free up for it as requests end.
 
 With prefix affinity (``prefix``, proxy/prefix.py) a request carries its prompt's block hashes
 (``acquire(prompt=...)``): the bind asks prefix routing instead of the policy, and the index learns
-where the prompt went. And a freed slot may go past the head of a class: the backend the head
-would be bound to takes, of the first ``lookahead`` waiters of that class, the one whose prompt it
-holds most of (by the index), if that one holds more than the head's. Fairness: FIFO within a
+where the prompt went. A request whose prefix's home (where its claims alone would send it) is
+full may wait for it rather than take a free slot elsewhere, while that is expected to cost less
+than the miss (``_holds_for_home``). And a freed slot may go past the head of a class: the
+backend the head would be bound to, unless it is the head's home, takes of the first
+``lookahead`` waiters of that class one whose home it is, else the one whose prompt it holds
+most of (by the index), if that one holds more than the head's. Fairness: FIFO within a
 class otherwise; a waiter that has waited ``lookahead_age_s`` is never passed over (so no one
 waits more than that longer than FIFO would make it); a batch never goes before an interactive
 request; a head of many sequences is not passed.
@@ -303,10 +306,9 @@ class Admission:
         seqs = max(int(seqs), 1)
         if self.prefix is None:
             prompt = None
-        holds = self.depth < self._lookahead() and bool(
-            self._holds_for_home(backends, exclude, prompt, seqs, 0.0)
-        )
-        if (front or not self._ahead(priority)) and not holds:
+        if (front or not self._ahead(priority)) and self._holds_for_home(
+            backends, exclude, prompt, seqs, 0.0
+        ) is None:
             lease = self._bind(backends, exclude, priority, 0.0, seqs, prompt)
             if lease is not None:
                 return lease
@@ -507,9 +509,6 @@ class Admission:
         finally:
             self._note_waiters(backends)
 
-    def _lookahead(self) -> int:
-        return 0 if self.prefix is None else self.prefix.lookahead
-
     def _holds_for_home(
         self,
         backends: list[Routed],
@@ -532,6 +531,7 @@ class Admission:
             or seqs > 1
             or prefix.lookahead <= 1
             or waited >= prefix.lookahead_age_s
+            or (holding is None and self.depth >= prefix.lookahead)
         ):
             return None
         home = prefix.home(prompt, backends)

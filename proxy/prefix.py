@@ -351,16 +351,12 @@ class PrefixRouting:
             cost = self.estimate.expected_completion(b, out, claim)
             if claim > 0 and cost >= 0:
                 # the prefill it skips would also have stalled every request b runs
-                saved = self.estimate.expected_completion(b, out) - cost
-                cost = max(cost - saved * b.in_flight, 0.0)
+                cost = max(cost - self._prefill(b, out, claim) * b.in_flight, 0.0)
             scored.append(_Scored(cost, claim, b, blocks))
         near = _near_best(scored)
         claimed = [s for s in near if s.claim > 0]
         if claimed:
-            # matches within NEAR_BEST of the longest are equally good (see the docstring)
-            top = max(s.blocks for s in claimed)
-            held = [s for s in claimed if s.blocks >= top * (1.0 - NEAR_BEST)]
-            b = rendezvous(prompt.hashes[0], [s.backend for s in held])
+            b = _longest(prompt, [(s.backend, s.blocks) for s in claimed])
             return b, matched.get(b.name, 0)
         bounded = [s.backend for s in near if self._within(s.backend, fleet)]
         b = rendezvous(prompt.hashes[0], bounded or [s.backend for s in near])
@@ -370,13 +366,15 @@ class PrefixRouting:
         """Where ``prompt`` would go if every routable backend had a free slot, by its claims
         alone (the longest, rendezvous among equals); None when none claims it. The queue
         reads it to let a freed slot pull the waiters whose prefix lives there."""
-        names = [b.name for b in backends if b.routable]
-        matched = self.index.matches(prompt, names)
-        if not matched:
-            return None
-        top = max(matched.values())
-        held = [b for b in backends if matched.get(b.name, 0) >= top * (1.0 - NEAR_BEST) > 0]
-        return rendezvous(prompt.hashes[0], held)
+        matched = self.index.matches(prompt, [b.name for b in backends if b.routable])
+        held = [(b, matched[b.name]) for b in backends if matched.get(b.name, 0) > 0]
+        return _longest(prompt, held) if held else None
+
+    def _prefill(self, b: Routed, out: float, claim: float) -> float:
+        """Seconds of ``b``'s TTFT that a hit on ``claim`` of the prompt skips."""
+        return self.estimate.expected_completion(b, out) - self.estimate.expected_completion(
+            b, out, claim
+        )
 
     def worth_waiting(
         self, prompt: Prompt, home: Routed, free: Sequence[Routed], holders: int
@@ -398,11 +396,9 @@ class PrefixRouting:
         wait = (holders + 1) * e2e / max(home.in_flight, 1)
         miss = math.inf
         for b in free:
-            full = self.estimate.expected_completion(b, out)
-            if full < 0:
+            if self.estimate.expected_completion(b, out) < 0:
                 return False  # unmeasured: the latency policy probes it
-            prefill = full - self.estimate.expected_completion(b, out, claim)
-            miss = min(miss, prefill * (1 + b.in_flight))
+            miss = min(miss, self._prefill(b, out, claim) * (1 + b.in_flight))
         return wait < miss
 
     def learn(self, b: Routed, prompt: Prompt, blocks: int) -> float:
@@ -414,6 +410,15 @@ class PrefixRouting:
         self, name: str, predicted: float, prompt_tokens: int | None, cached_tokens: int
     ) -> None:
         self.index.report(name, predicted, prompt_tokens, cached_tokens)
+
+
+def _longest(prompt: Prompt, held: Sequence[tuple[Routed, int]]) -> Routed:
+    """The backend holding the longest match of ``prompt`` (blocks); matches within NEAR_BEST
+    of it count as equal and rendezvous hashing of the leading block picks among them, so a
+    prefix that spilled onto several backends keeps one home."""
+    top = max(blocks for _, blocks in held)
+    equal = [b for b, blocks in held if blocks >= top * (1.0 - NEAR_BEST)]
+    return rendezvous(prompt.hashes[0], equal)
 
 
 def _near_best(scored: list[_Scored]) -> list[_Scored]:

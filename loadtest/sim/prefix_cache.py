@@ -39,10 +39,11 @@ class CacheNode:
         self.serial = serial  # creation order: breaks recency ties deterministically
 
 
-def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
+def _common_len(key: Sequence[int], ids: Sequence[int], start: int, end: int) -> int:
+    """How many leading tokens of ``key`` equal ``ids[start:end]`` (without copying ids)."""
+    n = min(len(key), end - start)
     i = 0
-    while i < n and a[i] == b[i]:
+    while i < n and key[i] == ids[start + i]:
         i += 1
     return i
 
@@ -71,19 +72,20 @@ class PrefixCache:
         self.total_size = 0
 
     # --- lookup and insertion ---------------------------------------------------------------
-    def match(self, ids: Sequence[int]) -> tuple[CacheNode, int]:
-        """The deepest node on the longest cached prefix of ``ids`` and that prefix's length.
+    def match(self, ids: Sequence[int], limit: int | None = None) -> tuple[CacheNode, int]:
+        """The deepest node on the longest cached prefix of ``ids[:limit]`` and its length.
 
         A match that ends inside an edge splits it, so the returned node covers exactly the
         matched tokens (and can be locked alone). Every node on the path counts as used now.
         """
         self._tick += 1
+        end = len(ids) if limit is None else min(limit, len(ids))
         node, i = self.root, 0
-        while i < len(ids):
+        while i < end:
             child = node.children.get(ids[i])
             if child is None:
                 break
-            n = _common_len(child.key, ids[i:])
+            n = _common_len(child.key, ids, i, end)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = self._tick

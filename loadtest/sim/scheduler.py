@@ -618,7 +618,7 @@ class Scheduler:
         """The cached prefix of q's prompt (at least its last token is computed, as SGLang)."""
         if self.cache is None or q.prompt_ids is None:
             return None, 0
-        node, hit = self.cache.match(q.prompt_ids[:-1])
+        node, hit = self.cache.match(q.prompt_ids, len(q.prompt_ids) - 1)
         return (node, hit) if hit else (None, 0)
 
     def _lock_cost(self, node: CacheNode | None) -> int:
