@@ -47,6 +47,7 @@ from proxy.routes import ADMITTED, Access
 from proxy.scrape import Scraper
 from proxy.settings import BackendSettings, Settings
 from proxy.tasks import stop_task
+from proxy.upstream import UpstreamPool
 
 log = logging.getLogger("pipefill")
 
@@ -105,6 +106,7 @@ class Proxy:
             self.pool, [b for b in settings.backends if b.discover == "dns"], resolver
         )
         self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None
         self.health: Health | None = None
         self.scraper: Scraper | None = None
         self.forwarder: Forwarder | None = None
@@ -159,7 +161,14 @@ class Proxy:
         self.discovery.start()
         self.health = Health(self.pool, s.health, self.session, self.metrics)
         self.pool.listeners.append(lambda b: b is not None and self.health.kick())  # type: ignore[union-attr]
-        self.forwarder = Forwarder(s, self.pool, self.health, self.metrics, self.session)
+        self.upstream = UpstreamPool(
+            keepalive_s=s.upstream.keepalive_s,
+            per_origin=s.upstream.max_connections_per_backend,
+            total=s.upstream.max_connections,
+        )
+        self.forwarder = Forwarder(
+            s, self.pool, self.health, self.metrics, self.session, self.upstream
+        )
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(s.health.timeout_s):
                 await self.health.check_all()
@@ -190,6 +199,8 @@ class Proxy:
         await self.admission.close()
         if self.scraper is not None:
             await self.scraper.close()
+        if self.upstream is not None:
+            self.upstream.close()
         if self.session is not None:
             await self.session.close()
 

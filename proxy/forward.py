@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -37,7 +38,8 @@ from proxy.health import Health
 from proxy.logs import OPS, OUTCOME
 from proxy.metrics import Metrics
 from proxy.settings import Settings
-from proxy.sse import NDJSON_APIS, Api, TokenCounter, body_usage, framer_for
+from proxy.sse import NDJSON_APIS, Api, LineFramer, SSEFramer, TokenCounter, body_usage, framer_for
+from proxy.upstream import Connection, Origin, UpstreamError, UpstreamPool, request_bytes
 
 log = logging.getLogger("pipefill.forward")
 
@@ -60,7 +62,6 @@ HOP_BY_HOP = frozenset(
 )
 #: response types relayed as a stream whose events are peeked at (SSE; the Ollama routes' NDJSON)
 _STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
-_STALE_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 #: request Content-Encodings aiohttp's server decodes before the handler reads the body
 DECODED = frozenset({"gzip", "deflate", "br", "zstd"})
 
@@ -93,6 +94,14 @@ RECALLED = "recalled"
 LOCAL = "proxy_error"
 
 
+class _ConnectTimeout(Exception):
+    """No connection to the backend within the connect timeout."""
+
+
+class _ConnectError(Exception):
+    """The backend could not be connected to (refused, unreachable, TLS, DNS)."""
+
+
 @dataclass(slots=True)
 class Failure:
     """An attempt that failed before any byte reached the client."""
@@ -112,49 +121,47 @@ class Failure:
         return error_response(self.status, self.message, self.code, headers=headers)
 
 
-class UpstreamError(Exception):
-    def __init__(self, kind: str) -> None:
-        super().__init__(kind)
-        self.kind = kind
-
-
 #: kind of a stream ended because its client stopped reading (the client's doing)
 CLIENT_STALLED = "client_stalled"
 #: kind of a relay cut because the proxy shuts down (nobody's failure)
 SHUTDOWN = "shutdown"
 
 
+#: a client's socket buffer past this many unsent bytes: stop reading from its backend
+CLIENT_HIGH_WATER = 256 * 1024
+
+
 class _Watchdog:
     """Idle-gap and total deadlines of one upstream response, and the write-stall deadline of
     its client, for the price of one timer.
 
-    The timer is rescheduled only when it fires. ``last`` is a plain attribute write per chunk:
-    the time the backend last sent, or, while a write to the client is in progress, minus the
-    time that write began. On an upstream expiry the response's stream gets an UpstreamError
-    and the connection is closed, which wakes the pending read; a client that has not taken a
-    write for ``stall`` seconds has its connection aborted, which ends the write (and frees the
-    backend slot).
+    The timer is rescheduled only when it fires. ``last`` is a plain attribute write per read:
+    the time the backend last sent, or, while the client's socket is too full to take more
+    (reading from the backend paused), minus the time that began. On an upstream expiry the
+    connection fails with an UpstreamError, which wakes whoever waits on it; a client that has
+    taken nothing for ``stall`` seconds has its connection aborted and the exchange fails with
+    CLIENT_STALLED (which frees the backend slot).
     """
 
-    __slots__ = ("client", "deadline", "fired", "handle", "idle", "last", "loop", "resp", "stall")
+    __slots__ = ("client", "conn", "deadline", "fired", "handle", "idle", "last", "loop", "stall")
 
     def __init__(
         self,
-        resp: aiohttp.ClientResponse,
+        conn: Connection,
         idle: float,
         deadline: float,
         client: asyncio.BaseTransport | None = None,
         stall: float = float("inf"),
     ) -> None:
         self.loop = asyncio.get_running_loop()
-        self.resp = resp
+        self.conn = conn
         self.idle = idle
         self.deadline = deadline
         self.client = client
         self.stall = stall
         self.last = time.monotonic()
         self.fired: str | None = None
-        # (a write that starts blocking is noticed within two stall periods)
+        # (a client that stops taking is noticed within two stall periods)
         self.handle = self.loop.call_later(min(idle, stall, deadline - self.last), self._check)
 
     def _check(self) -> None:
@@ -162,23 +169,22 @@ class _Watchdog:
         last = self.last
         if now >= self.deadline:
             self.fired = "total_timeout"
-        elif last <= 0:  # writing to the client since -last: not waiting on the backend
+        elif last <= 0:  # the client is not taking since -last: not waiting on the backend
             blocked = now + last
             if self.client is not None and blocked >= self.stall:
                 self.fired = CLIENT_STALLED
                 self.client.abort()
+            else:
+                delay = min(self.idle, self.stall - blocked, self.deadline - now)
+                self.handle = self.loop.call_later(delay, self._check)
                 return
-            delay = min(self.idle, self.stall - blocked, self.deadline - now)
-            self.handle = self.loop.call_later(delay, self._check)
-            return
         elif now - last >= self.idle:
             self.fired = "idle_timeout"
         else:
             delay = min(min(last + self.idle, self.deadline) - now, self.stall)
             self.handle = self.loop.call_later(delay, self._check)
             return
-        self.resp.content.set_exception(UpstreamError(self.fired))
-        self.resp.close()
+        self.conn.fail(UpstreamError(self.fired))
 
     def cancel(self) -> None:
         self.handle.cancel()
@@ -187,8 +193,138 @@ class _Watchdog:
         """End the relay now (shutdown): its pending read fails with SHUTDOWN."""
         self.handle.cancel()
         self.fired = SHUTDOWN
-        self.resp.content.set_exception(UpstreamError(SHUTDOWN))
-        self.resp.close()
+        self.conn.fail(UpstreamError(SHUTDOWN))
+
+
+class _ClientSink:
+    """Writes a relayed body on to the client's socket as it arrives (``proxy.upstream.Sink``),
+    framed as HTTP/1.1 chunks when the client's response is chunked; blocked while the socket
+    holds more than CLIENT_HIGH_WATER unsent bytes, or once the client is gone."""
+
+    __slots__ = ("chunked", "transport", "wd")
+
+    def __init__(self, transport: asyncio.Transport, wd: _Watchdog, chunked: bool) -> None:
+        self.transport = transport
+        self.wd = wd
+        self.chunked = chunked
+
+    def feed(self, data: bytes) -> None:
+        self.wd.last = time.monotonic()
+        self.write(data)
+
+    def write(self, data: bytes) -> None:
+        t = self.transport
+        if t.is_closing():
+            return
+        if self.chunked:
+            t.write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            t.write(data)
+
+    def blocked(self) -> bool:
+        t = self.transport
+        if t.is_closing() or t.get_write_buffer_size() > CLIENT_HIGH_WATER:
+            if self.wd.last > 0:
+                self.wd.last = -time.monotonic()
+            return True
+        if self.wd.last < 0:
+            self.wd.last = time.monotonic()
+        return False
+
+
+class _BodySink(_ClientSink):
+    """A whole (non-event) body relayed on, its chunks kept while they fit in ``cap`` bytes
+    (to read its usage at the end)."""
+
+    __slots__ = ("cap", "kept", "parts")
+
+    def __init__(
+        self, transport: asyncio.Transport, wd: _Watchdog, chunked: bool, keep: bool, cap: int
+    ) -> None:
+        super().__init__(transport, wd, chunked)
+        self.parts: list[bytes] | None = [] if keep else None
+        self.kept = 0
+        self.cap = cap
+
+    def feed(self, data: bytes) -> None:
+        parts = self.parts
+        if parts is not None:
+            self.kept += len(data)
+            if self.kept <= self.cap:
+                parts.append(data)
+            else:
+                self.parts = None
+        self.wd.last = time.monotonic()
+        self.write(data)
+
+
+class _EventSink(_ClientSink):
+    """An event stream relayed on, each read peeked at for its tokens: TTFT at the first
+    token-carrying read, one inter-token gap per later one (events that arrived in one read
+    arrived together: they count as one event carrying all their tokens, one ITL sample of
+    gap / tokens)."""
+
+    __slots__ = ("bm", "counter", "first", "framer", "last_tok", "pending", "rid", "stats")
+
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        wd: _Watchdog,
+        chunked: bool,
+        framer: SSEFramer | LineFramer | None,
+        counter: TokenCounter | None,
+        b: Backend,
+        bm: Any,
+        pending: _Pending,
+        request_id: str,
+    ) -> None:
+        super().__init__(transport, wd, chunked)
+        self.framer = framer
+        self.counter = counter
+        self.stats = b.stats
+        self.bm = bm
+        self.pending = pending
+        self.rid = request_id
+        self.first: float | None = None
+        self.last_tok = 0.0
+
+    def feed(self, data: bytes) -> None:
+        now = time.monotonic()
+        self.wd.last = now
+        self.write(data)
+        framer, counter = self.framer, self.counter
+        if framer is None or counter is None:
+            return
+        n = 0
+        try:
+            for payload in framer.feed(data):
+                n += counter.observe(payload)
+        except Exception:  # a bug of ours: keep relaying, stop peeking
+            log.exception("request %s: SSE accounting failed; relaying on", self.rid)
+            counter.malformed += 1
+            self.framer = None
+            return
+        if n:
+            stats = self.stats
+            if self.first is None:
+                self.first = now
+                t_send = self.pending.t_send
+                self.pending.answered(now)
+                stats.observe_ttft(now - t_send)
+                self.bm.ttft.observe(now - t_send)
+            else:
+                gap = (now - self.last_tok) / n
+                stats.observe_itl(gap, n, now)
+                self.bm.itl.observe(gap)
+            self.last_tok = now
+            stats.observe_tokens(n, now)
+
+
+def _chunked(request: web.BaseRequest, out: web.StreamResponse) -> bool:
+    """Whether ``out``, not yet prepared, goes as HTTP/1.1 chunks (made so when it can)."""
+    if out.content_length is None and request.version >= (1, 1):
+        out.enable_chunked_encoding()
+    return out.chunked
 
 
 class Forwarder:
@@ -199,12 +335,15 @@ class Forwarder:
         health: Health,
         metrics: Metrics,
         session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.health = health
         self.metrics = metrics
-        self.session = session
+        self.session = session  # admin fan-out only; requests go through ``upstream``
+        self.upstream = upstream
+        self._origins: dict[str, tuple[Origin, str]] = {}  # backend URL -> (origin, path prefix)
         self._t = settings.timeouts
         self._r = settings.retries
         self._retry_statuses = frozenset(settings.retries.retry_statuses)
@@ -460,70 +599,90 @@ class Forwarder:
         request_id: str,
         t_arrive: float,
     ) -> web.StreamResponse | Failure:
-        url = URL(b.url + target, encoded=True)
+        origin, prefix = self._origin(b)
+        method = request.method
+        data = request_bytes(method, prefix + target, origin, headers, body)
         t_send = pending.t_send
         deadline = t_send + self._t.total_s
         bm = self.metrics.backend(b.name)
-        resp: aiohttp.ClientResponse | None = None
+        conn: Connection | None = None
         fresh_retry = True
         try:
-            while True:
-                try:
+            try:
+                while True:
                     pending.recallable = True
-                    async with asyncio.timeout(min(self._t.first_byte_s, self._t.total_s)):
-                        resp = await self.session.request(
-                            request.method,
-                            url,
-                            data=body,
-                            headers=headers,
-                            allow_redirects=False,
-                        )
-                    pending.recallable = False
-                    break
-                except _STALE_ERRORS as e:
-                    # A pooled keep-alive connection the server had just closed: retry at
-                    # once on a fresh connection (once), without blaming the backend.
-                    if fresh_retry and _maybe_stale(e):
-                        fresh_retry = False
-                        self.metrics.retries.labels("stale_connection").inc()
-                        continue
-                    raise
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if pending.recalled and task is not None and task.uncancel() == 0:
-                return Failure(
-                    RECALLED, 503, "recalled from its backend", "upstream_recalled", retryable=True
-                )
-            bm.disconnects.inc()
-            raise
-        except aiohttp.ConnectionTimeoutError:
-            return self._fail(b, "connect_timeout", 504, "timed out connecting to the backend")
-        except TimeoutError:
-            return self._fail(b, "first_byte_timeout", 504, "upstream sent no response in time")
-        except aiohttp.ClientConnectorError:
-            return self._fail(b, "connect", 502, "could not connect to the backend")
-        except aiohttp.InvalidURL as e:  # the proxy's own doing, not the backend's
-            return self._local_failure(e, request_id)
-        except (aiohttp.ClientError, OSError):
-            return self._fail(b, "disconnect", 502, "backend closed the connection")
-        except Exception as e:
-            return self._local_failure(e, request_id)
-
-        try:
-            if resp.status in self._retry_statuses:
-                return await self._upstream_5xx(b, resp, deadline)
-            if resp.status < 500:
+                    try:
+                        async with asyncio.timeout(min(self._t.first_byte_s, self._t.total_s)):
+                            conn = await self._connect(origin)
+                            conn.send(data, head_only=method == "HEAD")
+                            await conn.head()
+                        pending.recallable = False
+                        break
+                    except UpstreamError as e:
+                        # A pooled keep-alive connection the server had just closed: retry at
+                        # once on a fresh connection (once), without blaming the backend.
+                        if fresh_retry and e.stale:
+                            fresh_retry = False
+                            self.metrics.retries.labels("stale_connection").inc()
+                            continue
+                        raise
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if pending.recalled and task is not None and task.uncancel() == 0:
+                    return Failure(
+                        RECALLED,
+                        503,
+                        "recalled from its backend",
+                        "upstream_recalled",
+                        retryable=True,
+                    )
+                bm.disconnects.inc()
+                raise
+            except _ConnectTimeout:
+                return self._fail(b, "connect_timeout", 504, "timed out connecting to the backend")
+            except TimeoutError:
+                return self._fail(b, "first_byte_timeout", 504, "upstream sent no response in time")
+            except _ConnectError:
+                return self._fail(b, "connect", 502, "could not connect to the backend")
+            except (UpstreamError, OSError):
+                return self._fail(b, "disconnect", 502, "backend closed the connection")
+            except Exception as e:
+                return self._local_failure(e, request_id)
+            assert conn is not None
+            status = conn.status
+            if status in self._retry_statuses:
+                return await self._upstream_5xx(b, conn, deadline)
+            if status < 500:
                 b.stats.observe_first_byte()
-            ctype = resp.headers.get("Content-Type", "")
+            ctype = conn.headers.get("Content-Type", "")
             if ctype.startswith(_STREAM_TYPES):
                 return await self._stream(
-                    request, resp, b, api, route, request_id, t_arrive, pending, deadline
+                    request, conn, b, api, route, request_id, t_arrive, pending, deadline
                 )
             return await self._whole(
-                request, resp, b, api, route, request_id, t_arrive, pending, deadline
+                request, conn, b, api, route, request_id, t_arrive, pending, deadline
             )
         finally:
-            resp.close() if not resp.closed and not _done(resp) else resp.release()
+            if conn is not None:
+                conn.release()  # back to the pool when the exchange completed, else closed
+
+    def _origin(self, b: Backend) -> tuple[Origin, str]:
+        """Where ``b``'s connections go, and the path its URL puts before every target."""
+        known = self._origins.get(b.url)
+        if known is None:
+            parts = urlsplit(b.url)
+            known = self._origins[b.url] = (Origin.of(b.url), parts.path.rstrip("/"))
+        return known
+
+    async def _connect(self, origin: Origin) -> Connection:
+        """A connection to ``origin`` (pooled, else new within the connect timeout)."""
+        try:
+            async with asyncio.timeout(self._t.connect_s):
+                return await self.upstream.connect(origin)
+        except TimeoutError:
+            raise _ConnectTimeout from None
+        except OSError as e:
+            raise _ConnectError from e
 
     def _fail(self, b: Backend, kind: str, status: int, message: str) -> Failure:
         """A failure of the backend's: counted against its health and in its stats. The
@@ -541,35 +700,30 @@ class Forwarder:
         log.error("request %s: local error before sending upstream", request_id, exc_info=e)
         return Failure(LOCAL, 500, "internal proxy error", "internal_error", retryable=False)
 
-    async def _upstream_5xx(
-        self, b: Backend, resp: aiohttp.ClientResponse, deadline: float
-    ) -> Failure:
+    async def _upstream_5xx(self, b: Backend, conn: Connection, deadline: float) -> Failure:
         """A retry status: the backend's own body is kept (up to ERROR_BODY_CAP bytes; a larger
         one, or one cut short, is dropped for the proxy's own error) in case no other backend
         does better."""
-        kind = f"http_{resp.status}"
-        wd = _Watchdog(resp, self._t.idle_s, deadline)
-        data = bytearray()
+        status = conn.status
+        kind = f"http_{status}"
+        wd = _Watchdog(conn, self._t.idle_s, deadline)
+        data = b""
         whole = True
         try:
-            while len(data) <= ERROR_BODY_CAP:
-                chunk = await resp.content.read(ERROR_BODY_CAP + 1 - len(data))
-                if not chunk:
-                    break
-                data += chunk
-        except (UpstreamError, aiohttp.ClientError, OSError):
+            data = await conn.read(ERROR_BODY_CAP)
+        except UpstreamError:
             whole = False  # its headers would promise a body the client never gets
         finally:
             wd.cancel()
-        f = self._fail(b, kind, resp.status, f"backend answered {resp.status}")
+        f = self._fail(b, kind, status, f"backend answered {status}")
         if whole and len(data) <= ERROR_BODY_CAP:
-            f.upstream = (resp.status, _response_headers(resp.headers), bytes(data))
+            f.upstream = (status, _response_headers(conn.headers), data)
         return f
 
     async def _whole(
         self,
         request: web.BaseRequest,
-        resp: aiohttp.ClientResponse,
+        conn: Connection,
         b: Backend,
         api: Api | None,
         route: str,
@@ -578,80 +732,73 @@ class Forwarder:
         pending: _Pending,
         deadline: float,
     ) -> web.StreamResponse | Failure:
-        """A response that is not an event stream, relayed chunk by chunk as it arrives (never
-        held whole). The client's headers wait for the first chunk, so a backend that fails
-        before it is retried elsewhere; one that fails after it leaves the client a cut body
-        (the connection is closed: its length or chunked framing tells it so). A body that came
-        whole in its first read (the usual JSON answer) is answered as one response."""
+        """A response that is not an event stream, relayed as it arrives (never held whole).
+        The client's headers wait for the first bytes, so a backend that fails before them is
+        retried elsewhere; one that fails after them leaves the client a cut body (the
+        connection is closed: its length or chunked framing tells it so). A body that came
+        whole before the client's headers went (the usual JSON answer) is answered as one
+        response."""
         bm = self.metrics.backend(b.name)
         stall = self._t.write_stall_s
-        wd = _Watchdog(resp, self._t.idle_s, deadline, request.transport, stall)
-        content = resp.content
+        wd = _Watchdog(conn, self._t.idle_s, deadline, request.transport, stall)
         try:
-            chunk = await content.readany()
+            await conn.first_data()
         except asyncio.CancelledError:
             wd.cancel()
             bm.disconnects.inc()
             raise
-        except (UpstreamError, aiohttp.ClientError, OSError):
+        except UpstreamError as e:
             wd.cancel()
-            kind = wd.fired or "disconnect"
+            kind = wd.fired or e.kind
             status = 504 if kind.endswith("timeout") else 502
             return self._fail(b, kind, status, "backend failed while sending its response")
-        headers = _response_headers(resp.headers)
+        headers = _response_headers(conn.headers)
         headers[self._backend_header] = b.name
         headers[self._rid_header] = request_id
-        read_usage = api is not None and resp.status == 200
-        if content.at_eof():
+        read_usage = api is not None and conn.status == 200
+        if conn.complete:
             wd.cancel()
+            data = conn.take()
             tokens = self._completed(
-                b, bm, resp.status, t_arrive, chunk if read_usage else None, pending.usage
+                b, bm, conn.status, t_arrive, data if read_usage else None, pending.usage
             )
             _note(request, None, tokens)
             bm.duration.observe(time.monotonic() - t_arrive)
-            self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
-            return web.Response(status=resp.status, body=chunk, headers=headers)
-        out = web.StreamResponse(status=resp.status, headers=headers)
-        if resp.content_length is not None:
-            out.content_length = resp.content_length
+            self.metrics.requests.labels(b.name, route, str(conn.status)).inc()
+            return web.Response(status=conn.status, body=data, headers=headers)
+        out = web.StreamResponse(status=conn.status, headers=headers)
+        length = conn.headers.get("Content-Length")
+        if length is not None and length.isdigit():
+            out.content_length = int(length)
         self._relays.add(wd)
-        # the body's chunks, kept for reading usage while it stays small enough to parse
-        parts: list[bytes] | None = [] if read_usage else None
-        kept = 0
-        cap = self.settings.upstream.max_event_bytes
         failure: str | None = None
         monotonic = time.monotonic
         try:
+            chunked = _chunked(request, out)
             await out.prepare(request)
-            while chunk:
-                if parts is not None:
-                    kept += len(chunk)
-                    if kept <= cap:
-                        parts.append(chunk)
-                    else:
-                        parts = None
-                wd.last = -monotonic()
-                await out.write(chunk)
-                wd.last = monotonic()
-                try:
-                    chunk = await content.readany()
-                except (UpstreamError, aiohttp.ClientError, OSError):
-                    failure = wd.fired or "disconnect"
-                    break
+            assert request.transport is not None
+            sink = _BodySink(
+                request.transport, wd, chunked, read_usage, self.settings.upstream.max_event_bytes
+            )
+            await conn.relay(sink)
         except asyncio.CancelledError:
             bm.disconnects.inc()
             bm.duration.observe(monotonic() - t_arrive)
-            self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
+            self.metrics.requests.labels(b.name, route, str(conn.status)).inc()
             raise
-        except ConnectionError:  # the client went away (or stopped reading): not the backend's
-            bm.disconnects.inc()
-            bm.duration.observe(monotonic() - t_arrive)
-            self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
-            return out
+        except UpstreamError as e:
+            failure = wd.fired or e.kind
+        except ConnectionError:
+            failure = CLIENT_STALLED
         finally:
             wd.cancel()
             self._relays.discard(wd)
         now = monotonic()
+        if failure == CLIENT_STALLED:  # the client went away or stopped reading: not the backend's
+            bm.disconnects.inc()
+            bm.duration.observe(now - t_arrive)
+            self.metrics.requests.labels(b.name, route, str(conn.status)).inc()
+            return out
         if failure is not None:
             if failure != SHUTDOWN:
                 _log_cut(request_id, b, failure, None)
@@ -661,12 +808,13 @@ class Forwarder:
             if request.transport is not None:
                 request.transport.abort()  # the body is cut: the client must not take it whole
         else:
+            parts = sink.parts
             whole = b"".join(parts) if parts is not None else None
-            tokens = self._completed(b, bm, resp.status, t_arrive, whole, pending.usage, now)
+            tokens = self._completed(b, bm, conn.status, t_arrive, whole, pending.usage, now)
             _note(request, None, tokens)
             await _last_write(request, stall, out.write_eof())
         bm.duration.observe(monotonic() - t_arrive)
-        self.metrics.requests.labels(b.name, route, str(resp.status)).inc()
+        self.metrics.requests.labels(b.name, route, str(conn.status)).inc()
         return out
 
     def _completed(
@@ -702,7 +850,7 @@ class Forwarder:
     async def _stream(
         self,
         request: web.BaseRequest,
-        resp: aiohttp.ClientResponse,
+        conn: Connection,
         b: Backend,
         api: Api | None,
         route: str,
@@ -712,89 +860,59 @@ class Forwarder:
         deadline: float,
     ) -> web.StreamResponse | Failure:
         bm = self.metrics.backend(b.name)
-        stats = b.stats
         t_send = pending.t_send
         stall = self._t.write_stall_s
-        wd = _Watchdog(resp, self._t.idle_s, deadline, request.transport, stall)
-        content = resp.content
-        monotonic = time.monotonic
-        # Hold the client's headers until the first chunk: a backend that fails before it
+        wd = _Watchdog(conn, self._t.idle_s, deadline, request.transport, stall)
+        # Hold the client's headers until the first bytes: a backend that fails before them
         # can still be retried elsewhere.
         try:
-            chunk = await content.readany()
+            await conn.first_data()
         except asyncio.CancelledError:
             wd.cancel()
             bm.disconnects.inc()
             raise
-        except (UpstreamError, aiohttp.ClientError, OSError):
+        except UpstreamError as e:
             wd.cancel()
-            kind = wd.fired or "disconnect"
+            kind = wd.fired or e.kind
             return self._fail(b, kind, 504 if wd.fired else 502, "backend failed before streaming")
-        headers = _response_headers(resp.headers)
+        headers = _response_headers(conn.headers)
         headers[self._backend_header] = b.name
         headers[self._rid_header] = request_id
-        out = web.StreamResponse(status=resp.status, headers=headers)
+        out = web.StreamResponse(status=conn.status, headers=headers)
         framer = (
             framer_for(api, self.settings.upstream.max_event_bytes) if api is not None else None
         )
         self._relays.add(wd)
         counter = TokenCounter(api) if api is not None else None
-        observe = counter.observe if counter is not None else None
-        first: float | None = None
-        last_tok = 0.0
         failure: str | None = None
+        sink: _EventSink | None = None
         try:
+            chunked = _chunked(request, out)
             await out.prepare(request)
-            write = out.write
-            while chunk:
-                now = monotonic()
-                wd.last = -now
-                await write(chunk)
-                if framer is not None:
-                    # Events that arrived in one read arrived together: they count as one
-                    # event carrying all their tokens (one ITL sample of gap / tokens).
-                    n = 0
-                    try:
-                        for payload in framer.feed(chunk):
-                            n += observe(payload)  # type: ignore[misc]
-                    except Exception:  # a bug of ours: keep relaying, stop peeking
-                        log.exception("request %s: SSE accounting failed; relaying on", request_id)
-                        counter.malformed += 1  # type: ignore[union-attr]
-                        framer = None
-                        n = 0
-                    if n:
-                        if first is None:
-                            first = now
-                            pending.answered(now)
-                            stats.observe_ttft(now - t_send)
-                            bm.ttft.observe(now - t_send)
-                        else:
-                            gap = (now - last_tok) / n
-                            stats.observe_itl(gap, n, now)
-                            bm.itl.observe(gap)
-                        last_tok = now
-                        stats.observe_tokens(n, now)
-                wd.last = monotonic()  # a slow client is not an idle backend
-                try:
-                    chunk = await content.readany()
-                except (UpstreamError, aiohttp.ClientError, OSError):
-                    failure = wd.fired or "disconnect"
-                    break
+            assert request.transport is not None
+            sink = _EventSink(
+                request.transport, wd, chunked, framer, counter, b, bm, pending, request_id
+            )
+            await conn.relay(sink)
         except asyncio.CancelledError:
             bm.disconnects.inc()
             self._account(
                 b, bm, route, out.status, t_arrive, counter, "client_disconnect", pending.usage
             )
             raise
-        except ConnectionError:  # the client went away (write failed)
+        except UpstreamError as e:
+            failure = wd.fired or e.kind
+        except ConnectionError:  # the client went away (a write failed)
+            failure = CLIENT_STALLED
+        finally:
+            wd.cancel()
+            self._relays.discard(wd)
+        if failure == CLIENT_STALLED:
             bm.disconnects.inc()
             self._account(
                 b, bm, route, out.status, t_arrive, counter, "client_disconnect", pending.usage
             )
             return out
-        finally:
-            wd.cancel()
-            self._relays.discard(wd)
         if failure == SHUTDOWN:
             message, code, status = "the proxy is shutting down", "shutting_down", 503
         elif failure is not None:
@@ -807,6 +925,7 @@ class Forwarder:
             }.get(failure, "backend connection lost mid-stream")
             code = "upstream_timeout" if failure.endswith("timeout") else "upstream_error"
             status = 504 if failure.endswith("timeout") else 502
+        framer = sink.framer if sink is not None else None
         if failure is not None:
             closing = ndjson_error if api in NDJSON_APIS else sse_error
             tail = (
@@ -823,6 +942,7 @@ class Forwarder:
             self.health.record_success(b)
         await _last_write(request, stall, out.write_eof())
         tokens = self._account(b, bm, route, out.status, t_arrive, counter, failure, pending.usage)
+        first = sink.first if sink is not None else None
         _note(request, None if first is None else first - t_send, tokens)
         return out
 
@@ -936,16 +1056,6 @@ async def _last_write(request: web.BaseRequest, stall: float, write: Awaitable[N
             request.transport.abort()
     except ConnectionError:
         pass
-
-
-def _maybe_stale(e: BaseException) -> bool:
-    if isinstance(e, aiohttp.ClientConnectorError):
-        return False  # could not connect at all: not a stale pooled connection
-    return True
-
-
-def _done(resp: aiohttp.ClientResponse) -> bool:
-    return resp.content.at_eof()
 
 
 def _response_headers(src: CIMultiDictProxy[str]) -> CIMultiDict:

@@ -90,18 +90,19 @@ async def test_non_origin_form_targets_are_400_and_never_eject_a_backend():
 
 
 async def test_a_local_error_is_500_and_never_counts_against_the_backend(monkeypatch):
-    """An exception raised on the proxy's side (here: an invalid upstream URL) is the proxy's
-    fault: no retry, no health change, no backend stats, and its text stays in the log."""
+    """An exception raised on the proxy's side (here: a bug while opening the upstream
+    connection) is the proxy's fault: no retry, no health change, no backend stats, and its
+    text stays in the log."""
     async with (
         fakes(2) as ups,
         running_proxy([u.url for u in ups], health={"interval_s": 30, "passive_failures": 2}) as px,
     ):
-        session = px.proxy.forwarder.session
+        upstream = px.proxy.forwarder.upstream
 
         async def broken(*args, **kwargs):
-            raise aiohttp.InvalidURL("http://secret-host:1234/oops")
+            raise ValueError("http://secret-host:1234/oops")
 
-        monkeypatch.setattr(session, "request", broken)
+        monkeypatch.setattr(upstream, "connect", broken)
         for _ in range(4):
             r, body = await _post(px.url + "/v1/chat/completions", {"model": MODEL, "messages": []})
             assert r.status == 500
