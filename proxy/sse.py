@@ -63,12 +63,17 @@ class SSEFramer:
         self.oversized = 0
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        if not self._buf and not self._cr and not self._skipping and b"\r" not in chunk:
-            # the usual chunk: exactly one whole event
-            end = chunk.find(b"\n\n")
-            if end >= 0 and end + 2 == len(chunk) and (self._max is None or end <= self._max):
-                payload = _data_of(chunk[:end])
-                return [] if payload is None else [payload]
+        if (
+            chunk.startswith(b"data: ")
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk.endswith(b"\n\n")
+            and not self._buf
+            and not self._cr
+            and not self._skipping
+            and b"\r" not in chunk
+            and (self._max is None or len(chunk) - 2 <= self._max)
+        ):
+            return [chunk[6:-2]]  # the usual chunk: exactly one whole one-line event
         if self._cr:
             chunk = b"\r" + chunk
             self._cr = False
