@@ -208,18 +208,20 @@ class _ClientSink:
         self.wd = wd
         self.chunked = chunked
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes) -> bool:
         self.wd.last = time.monotonic()
-        self.write(data)
+        return self.write(data)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes) -> bool:
+        """Write ``data`` on; whether the client is now blocked."""
         t = self.transport
         if t.is_closing():
-            return
+            return self.blocked()
         if self.chunked:
             t.write(b"%x\r\n%b\r\n" % (len(data), data))
         else:
             t.write(data)
+        return t.get_write_buffer_size() > CLIENT_HIGH_WATER and self.blocked()
 
     def blocked(self) -> bool:
         t = self.transport
@@ -246,7 +248,7 @@ class _BodySink(_ClientSink):
         self.kept = 0
         self.cap = cap
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes) -> bool:
         parts = self.parts
         if parts is not None:
             self.kept += len(data)
@@ -255,7 +257,7 @@ class _BodySink(_ClientSink):
             else:
                 self.parts = None
         self.wd.last = time.monotonic()
-        self.write(data)
+        return self.write(data)
 
 
 class _EventSink(_ClientSink):
@@ -288,13 +290,13 @@ class _EventSink(_ClientSink):
         self.first: float | None = None
         self.last_tok = 0.0
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes) -> bool:
         now = time.monotonic()
         self.wd.last = now
-        self.write(data)
+        blocked = self.write(data)
         framer, counter = self.framer, self.counter
         if framer is None or counter is None:
-            return
+            return blocked
         n = 0
         try:
             for payload in framer.feed(data):
@@ -303,7 +305,7 @@ class _EventSink(_ClientSink):
             log.exception("request %s: SSE accounting failed; relaying on", self.rid)
             counter.malformed += 1
             self.framer = None
-            return
+            return blocked
         if n:
             stats = self.stats
             if self.first is None:
@@ -318,6 +320,7 @@ class _EventSink(_ClientSink):
                 self.bm.itl.observe(gap)
             self.last_tok = now
             stats.observe_tokens(n, now)
+        return blocked
 
 
 def _chunked(request: web.BaseRequest, out: web.StreamResponse) -> bool:

@@ -47,7 +47,9 @@ class UpstreamError(Exception):
 class Sink(Protocol):
     """Where a relayed body goes, chunk by chunk."""
 
-    def feed(self, data: bytes) -> None: ...
+    def feed(self, data: bytes) -> bool:
+        """Take ``data``; True when the receiver takes nothing more for now (as ``blocked``)."""
+        ...
 
     def blocked(self) -> bool:
         """The receiver takes nothing more for now: pause reading from the backend."""
@@ -154,9 +156,8 @@ class Connection(asyncio.Protocol):
         """Feed the rest of the body to ``sink`` as it arrives; return when it all did."""
         assert self._done is not None
         self._sink = sink
-        if self._chunks:
-            sink.feed(self.take())
-            self._check_blocked()
+        if self._chunks and sink.feed(self.take()):
+            self._pause()
         await self._done
 
     def fail(self, error: UpstreamError) -> None:
@@ -192,9 +193,8 @@ class Connection(asyncio.Protocol):
             sink = self._sink
             if sink is None:
                 _resolve(self._data)
-            else:
-                sink.feed(self.take())
-                self._check_blocked()
+            elif sink.feed(self.take()):
+                self._pause()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         state = self.state
@@ -256,9 +256,8 @@ class Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def _check_blocked(self) -> None:
-        sink = self._sink
-        if sink is not None and not self._paused and sink.blocked() and self.transport:
+    def _pause(self) -> None:
+        if not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
             self._loop.call_later(RESUME_POLL_S, self._poll_resume)
