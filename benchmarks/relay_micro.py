@@ -13,9 +13,12 @@ window is fitted, across answers of several lengths, as ``cpu = a * requests + b
 squares): ``b`` is the relay's cost per event, ``a`` what each request costs besides its events.
 Non-streamed requests (one JSON answer) are measured on their own: CPU per request.
 
-Targets: pipefill (fixed limit, round_robin: forwarding, not admission control, is measured) and
-nginx (``proxy_buffering off``) as the reference of a relay written in C. Everything binds
-127.0.0.1 on free ports; every run is bounded and every child is killed on exit.
+Targets: pipefill (fixed limit, round_robin: forwarding, not admission control, is measured),
+nginx (``proxy_buffering off``) as the reference of a relay written in C, and ``bare``: two
+uvloop protocols copying bytes between a client's connection and its own upstream connection
+(no HTTP parsing, no statistics), the floor of any relay written in Python on this event loop.
+Everything binds 127.0.0.1 on free ports; every run is bounded and every child is killed on
+exit.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from proxy_overhead import (  # a script beside this one
     wait_ready,
 )
 
-TARGETS = ("pipefill", "nginx")
+TARGETS = ("pipefill", "nginx", "bare")
 CLIENT_CPU, PROXY_CPU = "0", "1"
 #: the upstream writes every stream's next event this often (ms)
 TICK_MS = 20.0
@@ -228,6 +231,62 @@ async def _serve_upstream(port: int, tick_s: float, lifetime: float) -> None:
         server.close()
 
 
+# ---- the bare relay (the floor of a Python relay) ----------------------------------------
+
+
+class _BareUp(asyncio.Protocol):
+    def __init__(self, down: asyncio.Transport) -> None:
+        self.down = down
+
+    def data_received(self, data: bytes) -> None:
+        if not self.down.is_closing():
+            self.down.write(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.down.close()
+
+
+class _BareDown(asyncio.Protocol):
+    """One client connection, relayed byte for byte over its own upstream connection."""
+
+    def __init__(self, up_port: int) -> None:
+        self.up_port = up_port
+        self.up: asyncio.Transport | None = None
+        self.early: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+        self.task = asyncio.ensure_future(self._open())
+
+    async def _open(self) -> None:
+        loop = asyncio.get_running_loop()
+        up, _ = await loop.create_connection(
+            lambda: _BareUp(self.transport), "127.0.0.1", self.up_port
+        )
+        self.up = up  # type: ignore[assignment]
+        for data in self.early:
+            up.write(data)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        if self.up is None:
+            self.early.append(data)
+        elif not self.up.is_closing():
+            self.up.write(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.up is not None:
+            self.up.close()
+
+
+async def _serve_bare(port: int, up_port: int, lifetime: float) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _BareDown(up_port), "127.0.0.1", port)
+    try:
+        await asyncio.sleep(lifetime)  # bounded: stops by itself
+    finally:
+        server.close()
+
+
 # ---- the client ---------------------------------------------------------------------------
 
 
@@ -397,6 +456,10 @@ def start_targets(ch: Children, tmp: Path, up_port: int, targets: list[str]) -> 
         )
         argv = [NGINX, "-p", str(ngx), "-c", str(conf), "-e", str(ngx / "error.log")]
         out["nginx"] = (ch.start("nginx", argv, cpu=PROXY_CPU), port)
+    if "bare" in targets:
+        port = free_port()
+        argv = [sys.executable, __file__, "bare", "--port", str(port), "--upstream", str(up_port)]
+        out["bare"] = (ch.start("bare", argv, cpu=PROXY_CPU), port)
     for child, port in out.values():
         wait_ready(child, f"http://127.0.0.1:{port}", timeout=60.0)
     return out
@@ -422,9 +485,10 @@ def render(s: dict[str, Any]) -> str:
                 f"| {t} | {'yes' if run['stream'] else 'no'} | {run['events_per_request']} | "
                 f"{run['requests']} | {run['events']} | {run['errors']} | {run['cpu_s']:.2f} |"
             )
-    ratio = s.get("ratio_to_nginx")
-    if ratio:
-        lines += ["", f"pipefill / nginx CPU per event: **{ratio:.1f}x**"]
+    for ref in ("nginx", "bare"):
+        ratio = s.get(f"ratio_to_{ref}")
+        if ratio:
+            lines += ["", f"pipefill / {ref} CPU per event: **{ratio:.1f}x**"]
     bar = s["targets"].get("pipefill")
     if bar:
         met = bar["per_event_us"] <= 10.0
@@ -488,10 +552,12 @@ def drive(args: argparse.Namespace) -> int:
                 "whole_ms_per_request": whole["cpu_s"] / max(whole["requests"], 1) * 1e3,
                 "runs": [*runs, whole],
             }
-        if "pipefill" in summary["targets"] and "nginx" in summary["targets"]:
-            summary["ratio_to_nginx"] = summary["targets"]["pipefill"]["per_event_us"] / max(
-                summary["targets"]["nginx"]["per_event_us"], 1e-3
-            )
+        measured = summary["targets"]
+        for ref in ("nginx", "bare"):
+            if "pipefill" in measured and ref in measured:
+                summary[f"ratio_to_{ref}"] = measured["pipefill"]["per_event_us"] / max(
+                    measured[ref]["per_event_us"], 1e-3
+                )
         summary["meta"] = {
             "mode": mode,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -541,6 +607,10 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("upstream", help="(internal) the synthetic upstream")
     up.add_argument("--port", type=int, required=True)
     up.add_argument("--lifetime", type=float, default=600.0)
+    bare = sub.add_parser("bare", help="(internal) the bare uvloop relay")
+    bare.add_argument("--port", type=int, required=True)
+    bare.add_argument("--upstream", type=int, required=True)
+    bare.add_argument("--lifetime", type=float, default=600.0)
     cl = sub.add_parser("client", help="(internal) the raw-socket client")
     cl.add_argument("--port", type=int, required=True)
     cl.add_argument("--concurrency", type=int, required=True)
@@ -550,10 +620,12 @@ def main(argv: list[str] | None = None) -> int:
     cl.add_argument("--no-stream", action="store_true")
     ap.add_argument("--quick", action="store_true", help="~40 s smoke run")
     ap.add_argument("--out", metavar="PREFIX", help="write PREFIX.md and PREFIX.json")
-    ap.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: pipefill,nginx")
+    ap.add_argument(
+        "--targets", default=",".join(TARGETS), help="comma-separated: pipefill,nginx,bare"
+    )
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (logs)")
     args = ap.parse_args(argv)
-    if args.mode in ("upstream", "client"):
+    if args.mode in ("upstream", "client", "bare"):
         try:
             import uvloop
 
@@ -562,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
         if args.mode == "upstream":
             asyncio.run(_serve_upstream(args.port, TICK_MS / 1e3, args.lifetime))
+        elif args.mode == "bare":
+            asyncio.run(_serve_bare(args.port, args.upstream, args.lifetime))
         else:
             asyncio.run(
                 _run_client(
