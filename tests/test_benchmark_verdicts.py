@@ -72,3 +72,17 @@ def test_replicas_verdict_is_on_the_median_ratio():
 def test_replicas_verdict_fails_a_repeat_that_measured_nothing():
     _, ok = replicas.verdict({"pp8": [1.0, math.nan, 1.0], "tp8": [1.0, 1.0, 1.0]})
     assert not ok
+
+
+def test_relay_micro_fit_separates_per_request_from_per_event_cost():
+    import relay_micro
+
+    a, b = 150e-6, 17e-6  # seconds per request, per event
+    runs = [
+        {"requests": r, "events": e, "cpu_s": a * r + b * e}
+        for r, e in ((7700, 92000), (900, 66000), (256, 63000))
+    ]
+    fa, fb = relay_micro.fit(runs)
+    assert math.isclose(fa, a, rel_tol=1e-9) and math.isclose(fb, b, rel_tol=1e-9)
+    with pytest.raises(relay_micro.BenchError):  # one shape of run says nothing about the split
+        relay_micro.fit([{"requests": 10, "events": 100, "cpu_s": 1.0}] * 3)
