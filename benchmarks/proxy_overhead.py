@@ -504,6 +504,24 @@ def versions() -> dict[str, str]:
     return out
 
 
+def start_nginx(ch: Children, tmp: Path, backend_port: int, cpu: str) -> tuple[Child, int]:
+    """nginx (one worker, its files in ``tmp``) relaying to 127.0.0.1:``backend_port``; the
+    child and the port it listens on."""
+    port = free_port()
+    ngx = tmp / "nginx"
+    for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (ngx / sub).mkdir(parents=True, exist_ok=True)
+    conf = ngx / "nginx.conf"
+    template = (Path(__file__).parent / "nginx.conf.template").read_text()
+    conf.write_text(
+        template.replace("{tmp}", str(ngx))
+        .replace("{port}", str(port))
+        .replace("{backend_port}", str(backend_port))
+    )
+    argv = [NGINX, "-p", str(ngx), "-c", str(conf), "-e", str(ngx / "error.log")]
+    return ch.start("nginx", argv, cpu=cpu), port
+
+
 def start_all(ch: Children, tmp: Path, targets: list[str]) -> tuple[dict[str, str], dict[str, int]]:
     profile = tmp / "bench-fast.toml"
     profile.write_text(PROFILE)
@@ -524,21 +542,7 @@ def start_all(ch: Children, tmp: Path, targets: list[str]) -> tuple[dict[str, st
         c = ch.start("pipefill", [tool("proxy"), "--config", str(cfg)], cpu=PROXY_CPU)
         starting.append((c, "pipefill", f"http://127.0.0.1:{port}"))
     if "nginx" in targets:
-        port = free_port()
-        ngx = tmp / "nginx"
-        for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (ngx / sub).mkdir(parents=True, exist_ok=True)
-        conf = ngx / "nginx.conf"
-        template = (Path(__file__).parent / "nginx.conf.template").read_text()
-        conf.write_text(
-            template.replace("{tmp}", str(ngx))
-            .replace("{port}", str(port))
-            .replace("{backend_port}", str(sim_port))
-        )
-        c = ch.start(
-            "nginx", [NGINX, "-p", str(ngx), "-c", str(conf), "-e", str(ngx / "error.log")],
-            cpu=PROXY_CPU,
-        )  # fmt: skip
+        c, port = start_nginx(ch, tmp, sim_port, PROXY_CPU)
         starting.append((c, "nginx", f"http://127.0.0.1:{port}"))
     if "sglang-router" in targets:
         port, prom = free_port(), free_port()

@@ -45,6 +45,7 @@ from proxy_overhead import (  # a script beside this one
     BenchError,
     Children,
     free_port,
+    start_nginx,
     tool,
     tree_cpu,
     versions,
@@ -443,19 +444,7 @@ def start_targets(ch: Children, tmp: Path, up_port: int, targets: list[str]) -> 
         argv = [tool("proxy"), "--config", str(cfg)]
         out["pipefill"] = (ch.start("pipefill", argv, cpu=PROXY_CPU), port)
     if "nginx" in targets:
-        port = free_port()
-        ngx = tmp / "nginx"
-        for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (ngx / sub).mkdir(parents=True, exist_ok=True)
-        conf = ngx / "nginx.conf"
-        template = (Path(__file__).parent / "nginx.conf.template").read_text()
-        conf.write_text(
-            template.replace("{tmp}", str(ngx))
-            .replace("{port}", str(port))
-            .replace("{backend_port}", str(up_port))
-        )
-        argv = [NGINX, "-p", str(ngx), "-c", str(conf), "-e", str(ngx / "error.log")]
-        out["nginx"] = (ch.start("nginx", argv, cpu=PROXY_CPU), port)
+        out["nginx"] = start_nginx(ch, tmp, up_port, PROXY_CPU)
     if "bare" in targets:
         port = free_port()
         argv = [sys.executable, __file__, "bare", "--port", str(port), "--upstream", str(up_port)]

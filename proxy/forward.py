@@ -256,8 +256,7 @@ class _BodySink(_ClientSink):
                 parts.append(data)
             else:
                 self.parts = None
-        self.wd.last = time.monotonic()
-        return self.write(data)
+        return super().feed(data)
 
 
 class _EventSink(_ClientSink):

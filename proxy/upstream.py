@@ -107,7 +107,6 @@ class Connection(asyncio.Protocol):
         self.status = 0
         self.headers: CIMultiDict[str] = CIMultiDict()
         self.keep_alive = False
-        self.error: UpstreamError | None = None
 
     # ---- what the forwarder calls ------------------------------------------------------
 
@@ -243,7 +242,6 @@ class Connection(asyncio.Protocol):
     def _settle(self, error: UpstreamError) -> None:
         if self.state in (State.DONE, State.IDLE):
             return
-        self.error = error
         for fut in (self._head, self._data, self._done):
             if fut is not None and not fut.done():
                 fut.set_exception(error)
@@ -257,7 +255,9 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
 
     def _pause(self) -> None:
-        if not self._paused and self.transport is not None:
+        # (only mid-body: a response that ended in this read has nothing left to hold back,
+        # and its connection must go back to the pool reading)
+        if self.state is State.BODY and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
             self._loop.call_later(RESUME_POLL_S, self._poll_resume)

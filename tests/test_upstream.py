@@ -198,3 +198,20 @@ async def test_per_backend_bound_makes_the_next_caller_wait_for_a_release():
         assert conn is first  # the released connection, not a new one
         assert len(accepted) == 1
         pool.close()
+
+
+async def test_a_response_ending_in_the_read_that_blocked_its_sink_leaves_the_connection_reading():
+    async def at_once(writer, head):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async with raw_server(at_once) as (origin, accepted):
+        pool = UpstreamPool(keepalive_s=4)
+        conn = await pool.connect(origin)
+        conn.send(req(origin))
+        await conn.head()
+        await asyncio.wait_for(conn.relay(SlowSink()), 5)  # blocked, but the body is whole
+        conn.release()
+        assert await asyncio.wait_for(exchange(pool, origin), 5) == (200, b"abc")
+        assert len(accepted) == 1  # the same connection served the next request
+        pool.close()
