@@ -101,6 +101,7 @@ class Code(enum.StrEnum):
     RESTART = "restart"  # the backend restarted: resume at its capacity, or start over
     SERVER = "server"  # no evidence yet: start at what the server says it runs at most
     PREFILL = "prefill"  # after a cut, some still wait: in prefill, not queued; cut less
+    UNDO = "undo"  # full again after a cut, running fewer than before it: the cut is undone
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +212,9 @@ class AdaptiveLimit:
     A backend is full when the excess is above ``max(queue_tolerance, queue_share * limit)``
     (the tolerance) for ``FULL_WINDOWS`` judged windows; the capacity is then the window's
     in-flight count minus the smallest excess seen, and the limit that plus the tolerance,
-    which the backend keeps ready (``_ready``). Windows right after a change are
+    which the backend keeps ready (``_ready``). A cut that took what the backend ran rather
+    than what it kept waiting is undone (``_undo_cut``), and no cut goes below it again.
+    Windows right after a change are
     not judged (proxy/control.py waits until the change's requests had their prefill), nor
     windows with more in flight than the limit (draining: what the backend shows was sent
     before).
@@ -273,6 +276,11 @@ class AdaptiveLimit:
         self._stale = 0
         self._slow = 0  # judged windows in a row with ITL above target_itl_s
         self._told = False  # the server's max_running_requests was applied (see update)
+        #: (requests in flight, requests the backend ran) where the highest ``full`` cut since
+        #: the last undo was made from: what later cuts are judged against (``_undo_cut``)
+        self._last_cut: tuple[int, int] | None = None
+        #: no ``full`` cut below this: a cut that made the backend run fewer was undone here
+        self._keep = 0
         self.decision = Decision(Code.START, self._limit, self._limit, 0.0)
 
     def update(self, window: Window) -> Decision | None:
@@ -340,6 +348,7 @@ class AdaptiveLimit:
             self._open += 1
             if self._open >= REOPEN_WINDOWS:
                 self._phase = Phase.START
+                self._keep, self._last_cut = 0, None
                 return self._grow(w, Code.REOPEN)
             return None
         if self._demand_since is None:
@@ -407,22 +416,52 @@ class AdaptiveLimit:
         return self._set(redo, w, Code.PREFILL, excess=queue)
 
     def _full_at(self, w: Window) -> Decision | None:
-        runs = max(1, math.floor(w.in_flight - self._least_excess), math.floor(self._peak()))
+        ran = max(1, math.floor(w.in_flight - self._least_excess))
+        runs = max(ran, math.floor(self._peak()))
         alone = w.queue_reqs is None  # judged on our own count: prefill may be in it
-        # on our own count, a cut leaves none ready, so that the next window shows prefill
-        # alone (``_check_cut`` then redoes it, with the requests kept ready)
-        target = runs if alone else self._ready(runs)
         excess = self._least_excess
         self._full, self._least_excess = 0, math.inf
-        self.capacity = runs
         self._phase = Phase.HOLD
         self._demand_since = None
+        undo = self._undo_cut(w, ran, excess)
+        if undo is not None:
+            return undo
+        # on our own count, a cut leaves none ready, so that the next window shows prefill
+        # alone (``_check_cut`` then redoes it, with the requests kept ready)
+        target = max(runs if alone else self._ready(runs), self._keep)
+        self.capacity = runs
         if target >= self._limit:
             return None  # it ran this many lately: a passing dip in its room, held through
         if alone:  # the waiting that the cut's excess was read from (``_queued`` inverted)
             p = self.prefill_share
             self._cut = (self._limit, excess * (1.0 - p) + p * w.in_flight, self._phase)
+        if self._last_cut is None or w.in_flight >= self._last_cut[0]:
+            self._last_cut = (math.ceil(w.in_flight), ran)
         return self._set(self._clamp(target), w, Code.FULL, excess=excess)
+
+    def _undo_cut(self, w: Window, ran: int, excess: float) -> Decision | None:
+        """The backend is full again after a cut: did the cut take away only requests it kept
+        waiting? A cut of a queue leaves what the backend runs as it was. If instead most of
+        the cut came out of what it runs (by more than the tolerance), while as many as before
+        still wait, what waits there grows with what it is sent (an engine that admits in
+        bursts as room frees, a pipeline whose prefill is long): not excess, but the queue that
+        keeps it fed. Two levels tell the two apart where one window cannot. A cut of ``d``
+        requests can take at most ``d`` from what the backend runs: a larger loss is its room
+        shrinking (a KV pool thrashing, longer requests), not the cut, and is cut to as usual.
+        Such a cut is undone, and no cut goes below that level again (until a restart or a
+        reopen): there the backend runs what sending straight would make it run."""
+        if self._last_cut is None:
+            return None
+        level, ran_there = self._last_cut
+        cut, lost, tol = level - self._limit, ran_there - ran, self._tolerance()
+        if lost > cut + tol:
+            self._last_cut = None  # the room shrank: later cuts are judged from this one
+            return None
+        if cut <= 0 or lost <= max(tol, cut / 2):
+            return None  # the cut took mostly requests the backend kept waiting
+        self._keep, self._last_cut = level, None
+        self.capacity = ran_there
+        return self._set(self._clamp(level), w, Code.UNDO, excess=excess)
 
     def _note_runs(self, at: float, runs: float) -> None:
         self._runs.append((at, runs))

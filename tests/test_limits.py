@@ -22,6 +22,7 @@ from proxy.limits import (
     Phase,
     make_limit,
 )
+from proxy.stats import Window
 
 
 def adaptive(floor: int = 1, **kw) -> AdaptiveLimit:
@@ -143,6 +144,71 @@ def test_a_dip_in_what_the_backend_runs_is_held_through_a_lasting_one_is_cut():
         t += 1
     assert d.code is Code.FULL and d.after == ready(34) and lim.capacity == 34
     assert t >= 29 + lim.settings.probe_every_s  # once it last ran 40 is that long ago
+
+
+def feeding(limit: int, t: float, share: float = 0.15) -> Window:
+    """A backend that keeps ``share`` of what it is sent waiting whatever the level (it admits
+    in bursts as room frees): its queue is what keeps it fed, not excess."""
+    waiting = round(share * limit)
+    return win(
+        limit,
+        t,
+        awaiting_min=float(waiting),
+        queue=float(waiting),
+        running=float(limit - waiting),
+    )
+
+
+def test_a_cut_that_takes_what_the_backend_runs_is_undone_and_not_repeated():
+    lim = adaptive(floor=1, initial=64)
+    lim._phase = Phase.HOLD
+    decisions = [d for t in range(120) if (d := lim.update(feeding(lim.limit, t)))]
+    cut, undo = decisions[0], decisions[1]
+    assert cut.code is Code.FULL and cut.after == ready(64 - 10) == 56
+    # at 56 it ran 48 instead of 54 and as many waited: the cut came out of what it runs
+    assert undo.code is Code.UNDO and undo.before == 56 and undo.after == 64
+    assert len(decisions) == 2 and lim.limit == 64 and lim.capacity == 54
+
+
+def test_a_cut_that_removes_a_queue_stands_and_a_later_shrink_is_followed():
+    lim = adaptive(floor=1, initial=64)
+    lim._phase = Phase.HOLD
+    t = 0
+    for cap in (40, 34):  # a true queue; then the backend's room shrinks for good
+        model = BatchModel(max_running=cap)
+        for _ in range(60):
+            lim.update(model.window(lim.limit, t))
+            t += 1
+        assert lim.capacity == cap and lim.limit == ready(cap)
+    assert Code.UNDO not in {d.code for d in lim.history}
+
+
+def test_a_loss_larger_than_the_cut_is_the_room_shrinking_not_the_cut():
+    """A KV pool that starts thrashing runs far fewer whatever the proxy cut: a cut of d can
+    take at most d from what the backend runs, so this is cut to, not undone."""
+    lim = adaptive(floor=1, initial=64)
+    lim._phase = Phase.HOLD
+    t = 0
+    for cap in (54, 20):  # the second is held through as a dip for probe_every_s first
+        model = BatchModel(max_running=cap)
+        for _ in range(60):
+            lim.update(model.window(lim.limit, t))
+            t += 1
+    assert Code.UNDO not in {d.code for d in lim.history}
+    assert lim.history[-1].code is Code.FULL and lim.limit == ready(20)
+
+
+def test_an_undone_cut_is_forgotten_when_the_backend_restarts():
+    lim = adaptive(floor=1, initial=64)
+    lim._phase = Phase.HOLD
+    for t in range(10):
+        lim.update(feeding(lim.limit, t))
+    assert lim.decision.code is Code.UNDO and lim.limit == 64
+    lim.update(win(64, 10, restarted=True, pressure=0.0))
+    model = BatchModel(max_running=30)  # it came back smaller: a true queue, cut to
+    for t in range(11, 60):
+        lim.update(model.window(lim.limit, t))
+    assert lim.capacity == 30 and lim.limit == ready(30)
 
 
 def test_a_few_waiting_requests_are_within_tolerance():
