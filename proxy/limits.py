@@ -56,7 +56,7 @@ class LimitSettings(BaseModel):
         30.0,
         gt=0,
         description="at a capacity found, with requests waiting in the proxy, probe above it "
-        "this often",
+        "this often (the first probe after a cut comes after 1/8 of this, doubling)",
     )
     probe_step: float = Field(0.25, gt=0, le=1, description="relative size of a probe up")
     backoff: float = Field(
@@ -92,7 +92,7 @@ class Code(enum.StrEnum):
 
     START = "start"  # the initial limit
     GROW = "grow"  # demand above the limit and the backend runs all it gets: double
-    PROBE = "probe"  # held at a capacity found, demand above it for probe_every_s: try higher
+    PROBE = "probe"  # held at a capacity found, demand above it for a while: try higher
     REOPEN = "reopen"  # a probe found no queue: capacity unknown again, grow
     FULL = "full"  # the backend keeps requests waiting: down to what it runs
     LATENCY = "latency"  # median ITL above the operator's target: step down
@@ -163,6 +163,12 @@ FULL_WINDOWS = 2
 #: judged windows in a row without a queue, at a probed level under demand, before the
 #: capacity counts as unknown again and the limit grows as from the start
 REOPEN_WINDOWS = 2
+#: the first probe after a cut comes after this share of ``probe_every_s``; each probe that
+#: finds the backend full again doubles the wait, up to ``probe_every_s``: under demand a limit
+#: below capacity loses throughput every second, one above it keeps a few requests waiting for
+#: the length of a probe, so a capacity read once (perhaps in a passing wave of prefills) is
+#: checked soon, and one confirmed is checked seldom
+FIRST_PROBE_SHARE = 0.125
 #: share of a window spent at the limit with requests waiting in the proxy that says demand
 #: exceeds the limit
 PRESSURE = 0.5
@@ -225,7 +231,9 @@ class AdaptiveLimit:
     to the backend would do, so it cannot deliver less; a queue it makes is cut back with the
     requests recalled. The first window that carries the server's own ``max_running_requests``
     (``/server_info``) starts the limit there (``SERVER``), and growth stops there. ``HOLD``
-    keeps the capacity; after ``probe_every_s`` of demand above it, a ``probe_step`` probe
+    keeps the capacity; after demand above it for ``FIRST_PROBE_SHARE`` of ``probe_every_s``,
+    doubling with each probe that finds the same capacity up to ``probe_every_s``, a
+    ``probe_step`` probe
     (``PROBE``; none at or above the server's ``max_running_requests``): full again -> back to
     what it runs; not full for ``REOPEN_WINDOWS`` -> the capacity grew, ``START`` again. Errors
     and stale metrics back off by ``backoff``; a restart resumes at the capacity found. Never
@@ -273,6 +281,8 @@ class AdaptiveLimit:
         self._last_excess = math.inf  # in the last of them
         self._open = 0  # judged windows in a row at a probe without a queue
         self._demand_since: float | None = None  # demand above a held limit since
+        #: demand above a held limit for this long brings a probe (see FIRST_PROBE_SHARE)
+        self._probe_wait = self._first_probe_wait()
         self._stale = 0
         self._slow = 0  # judged windows in a row with ITL above target_itl_s
         self._told = False  # the server's max_running_requests was applied (see update)
@@ -353,7 +363,7 @@ class AdaptiveLimit:
             return None
         if self._demand_since is None:
             self._demand_since = w.start
-        if w.end - self._demand_since >= self.settings.probe_every_s:
+        if w.end - self._demand_since >= self._probe_wait:
             nxt = self._probe_level()
             if w.max_running is not None and self._limit >= w.max_running:
                 return None  # the server runs no more than it said: a probe could only queue
@@ -421,6 +431,10 @@ class AdaptiveLimit:
         alone = w.queue_reqs is None  # judged on our own count: prefill may be in it
         excess = self._least_excess
         self._full, self._least_excess = 0, math.inf
+        if self._phase is Phase.PROBE:  # the probe confirmed the capacity: probe less often
+            self._probe_wait = min(self.settings.probe_every_s, 2 * self._probe_wait)
+        else:  # a capacity read now: check it soon
+            self._probe_wait = self._first_probe_wait()
         self._phase = Phase.HOLD
         self._demand_since = None
         undo = self._undo_cut(w, ran, excess)
@@ -536,6 +550,9 @@ class AdaptiveLimit:
         a request already there fills it at once; a cut to exactly ``runs`` would starve it at
         every peak. A few requests bound early cost the proxy little late binding."""
         return math.floor(runs + self._tolerance_at(runs))
+
+    def _first_probe_wait(self) -> float:
+        return FIRST_PROBE_SHARE * self.settings.probe_every_s
 
     def _probe_level(self) -> int:
         """``probe_step`` above the limit, and at least enough that, if the capacity did not

@@ -14,6 +14,7 @@ from limit_models import BatchModel, drive, win
 from pydantic import ValidationError
 
 from proxy.limits import (
+    FIRST_PROBE_SHARE,
     FULL_WINDOWS,
     AdaptiveLimit,
     Code,
@@ -271,20 +272,28 @@ def test_another_proxys_requests_in_the_queue_are_not_ours_to_shed():
     assert decisions[-1].code is Code.FULL and lim.capacity == 50
 
 
-def test_probes_above_a_held_capacity_under_demand_and_returns_when_still_full():
+def test_probes_above_a_held_capacity_soon_after_a_cut_then_seldom():
+    """Under demand a capacity just read is probed after FIRST_PROBE_SHARE of probe_every_s;
+    each probe that finds the backend full again doubles the wait, up to probe_every_s."""
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40)
-    drive(lim, model, 30)
-    assert lim.capacity == 40 and lim.limit == ready(40) == 42
-    held_at = lim.decision.at
-    t = 30
-    while (d := lim.update(model.window(lim.limit, t))) is None:
-        t += 1
-    # demand waited in the proxy all along: the probe comes probe_every_s after the hold began
-    assert d.code is Code.PROBE and d.after == 42 + 10 and lim.phase is Phase.PROBE  # +25%
-    assert lim.settings.probe_every_s <= d.at - held_at <= lim.settings.probe_every_s + 1
-    decisions = feed(lim, [model.window(lim.limit, t + 1 + i) for i in range(FULL_WINDOWS)])
-    assert [d.code for d in decisions] == [Code.FULL] and lim.limit == ready(40)
+    drive(lim, model, 300)
+    hist = list(lim.history)
+    first = next(i for i, d in enumerate(hist) if d.code is Code.FULL)
+    assert hist[first].after == ready(40) == 42 and lim.capacity == 40
+    waits = []
+    for held, nxt in zip(hist[first:], hist[first + 1 :], strict=False):
+        if nxt.code is Code.PROBE:
+            # demand waited in the proxy all along: the wait runs from the hold's start
+            assert held.code is Code.FULL and held.after == 42 and nxt.after == 42 + 10  # +25%
+            waits.append(nxt.at - held.at)
+        else:  # the probe found it full again: back to what it runs
+            assert nxt.code is Code.FULL and nxt.after == 42
+    every = lim.settings.probe_every_s
+    expected = [every * FIRST_PROBE_SHARE * 2**i for i in range(4)]
+    assert expected[-1] == every and len(waits) > 8
+    assert all(e <= w <= e + 1 for e, w in zip(expected, waits, strict=False))
+    assert all(every <= w <= every + 1 for w in waits[len(expected) :])
 
 
 def test_a_probe_that_finds_no_queue_grows_again():
