@@ -182,6 +182,7 @@ def test_a_tiny_shape_runs_through_every_client_count(parallelism, stages):
         assert r["ttft_ratio"] == pytest.approx(r["adaptive_ttft_p99"] / r["best_ttft_p99"])
         assert r["passes"] == bench.passes(r["tps_ratio"], r["ttft_ratio"])
         assert 0 <= r["window_noise"] < 1
+        assert r["ttft_noise"] >= 0
         assert r["adaptive_completed"] >= QUICK.measure_completions / 2
         assert r["final_limit"] >= shape.profile.stages  # the pp floor
         assert r["reached_s"] is None or r["reached_s"] >= 0
@@ -226,6 +227,14 @@ def test_verdict_needs_every_case_and_the_median():
     assert not bench.verdict(mediocre)["accepted"]
     assert not bench.passes(math.nan, 1.0) and not bench.passes(1.0, math.nan)
     assert "REJECTED" in bench.verdict_line(bench.verdict(mediocre))
+
+
+def test_ttft_failures_beyond_noise_count_only_clear_misses():
+    row = {**_row("a", 1.0, 1.3), "ttft_noise": 0.15}
+    assert not row["passes"] and not bench.ttft_beyond_noise(row)  # 1.3 <= 1.2 x 1.15
+    assert bench.ttft_beyond_noise({**row, "ttft_noise": 0.05})
+    assert bench.ttft_beyond_noise({k: v for k, v in row.items() if k != "ttft_noise"})
+    assert bench.ttft_beyond_noise({**row, "ttft_ratio": math.nan})
 
 
 def test_failures_beyond_noise_count_only_clear_misses():
