@@ -4,11 +4,11 @@
     .venv/bin/python benchmarks/limit_shapes.py --split accept    # 200 other shapes: the verdict
     .venv/bin/python benchmarks/limit_shapes.py --split accept --seed-base 2000 \
         --out benchmarks/results/limit_shapes-accept2   # 200 fresh ones, once the first were seen
+    .venv/bin/python benchmarks/limit_shapes.py --split tune --shapes 5 --no-save   # a smoke run
 
 An acceptance set whose failures have been read while changing the algorithm is spent: judge
 the change on accept seeds nobody has looked at (``--seed-base``; the split holds seeds up to
 10^9), and say which set a result comes from.
-    .venv/bin/python benchmarks/limit_shapes.py --split tune --shapes 5 --no-save   # a smoke run
 
 The adaptive limit (proxy/limits.py) must, with more demand than a backend can run, never
 deliver less throughput than sending straight to it, at the backend's capacity. It was tuned on

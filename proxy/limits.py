@@ -163,11 +163,11 @@ FULL_WINDOWS = 2
 #: judged windows in a row without a queue, at a probed level under demand, before the
 #: capacity counts as unknown again and the limit grows as from the start
 REOPEN_WINDOWS = 2
-#: the first probe after a cut comes after this share of ``probe_every_s``; each probe that
-#: finds the backend full again doubles the wait, up to ``probe_every_s``: under demand a limit
-#: below capacity loses throughput every second, one above it keeps a few requests waiting for
-#: the length of a probe, so a capacity read once (perhaps in a passing wave of prefills) is
-#: checked soon, and one confirmed is checked seldom
+#: the first probe after the backend is found full (a cut, or a dip held through) comes after
+#: this share of ``probe_every_s``; each probe that finds the backend full again doubles the
+#: wait, up to ``probe_every_s``: under demand a limit below capacity loses throughput every
+#: second, one above it keeps a few requests waiting for the length of a probe, so a capacity
+#: read once (perhaps in a passing wave of prefills) is checked soon, and one confirmed seldom
 FIRST_PROBE_SHARE = 0.125
 #: share of a window spent at the limit with requests waiting in the proxy that says demand
 #: exceeds the limit
