@@ -36,7 +36,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.prefix import PrefixIndex, PrefixRouting
+from proxy.prefix import NEAR_BEST, PrefixIndex, PrefixRouting
 from proxy.routed import Routed
 
 PolicyName = Literal["latency", "p2c_peak_ewma", "round_robin", "least_in_flight"]
@@ -100,6 +100,11 @@ class Policy(Protocol):
 
 def _weight(b: Routed) -> float:
     return max(float(b.weight or 1.0), 1e-6)
+
+
+def _relative_load(b: Routed) -> float:
+    """In flight with one more, for the backend's limit."""
+    return (b.in_flight + 1) / max(b.limit.limit, 1)
 
 
 class RoundRobin:
@@ -183,11 +188,21 @@ class Latency:
         return sum(outs) / len(outs) if outs else float(self.default_output_tokens)
 
     def pick(self, candidates: list[Routed]) -> Routed:
+        """The soonest expected completion; among the candidates within ``NEAR_BEST`` of it
+        (the estimate is not finer), the least loaded for its limit. Step time never falls
+        with the batch, so the emptier of two equal estimates is not slower, and spreading
+        keeps every backend's estimate fresh and a failure's loss small."""
         out = self.mean_output(candidates)
         n = len(candidates)
         offset = next(self._tick) % n  # rotate so exact ties spread
         rotated = candidates[offset:] + candidates[:offset]
-        return min(rotated, key=lambda b: self.expected_completion(b, out))
+        costs = [self.expected_completion(b, out) for b in rotated]
+        best = min(costs)
+        if best < 0:  # unmeasured: probe them first
+            near = [b for b, c in zip(rotated, costs, strict=True) if c < 0]
+        else:
+            near = [b for b, c in zip(rotated, costs, strict=True) if c <= best * (1 + NEAR_BEST)]
+        return min(near, key=_relative_load)
 
 
 def make_policy(name: str | RoutingSettings = "latency", **kwargs: Any) -> Policy:

@@ -73,32 +73,45 @@ class Window:
 
 
 class DecayingEwma:
-    """Time-decayed moving average (Finagle's peak EWMA when ``peak`` is set).
+    """Time-decayed mean of samples (Finagle's peak EWMA when ``peak`` is set).
 
-    ``tau`` is the decay time in seconds; with ``peak`` a sample above the current value is
-    adopted at once and lower samples pull it down slowly.
+    Every sample weighs 1 when it arrives and decays with time constant ``tau`` seconds; the
+    value is the weighted mean of the samples seen, so the first one counts as one sample, not
+    as all history (an estimate begun in a burst would otherwise carry the burst for ``tau``),
+    and a sample after a long gap counts no more than any other. With ``peak`` a sample above
+    the current value is adopted at once and lower samples pull it down slowly.
     """
 
-    __slots__ = ("_stamp", "peak", "tau", "value")
+    __slots__ = ("_stamp", "_weight", "peak", "tau", "value")
 
     def __init__(self, tau: float, *, peak: bool = False) -> None:
         self.tau = tau
         self.peak = peak
         self.value: float | None = None
+        self._weight = 0.0
         self._stamp = 0.0
 
     def observe(self, x: float, now: float) -> None:
         if self.value is None:
-            self.value = x
-        elif self.peak and x > self.value:
-            self.value = x
+            self.value, self._weight = x, 1.0
         else:
-            w = math.exp(-max(now - self._stamp, 0.0) / self.tau)
-            self.value = self.value * w + x * (1.0 - w)
+            self._weight = self._weight * math.exp(-max(now - self._stamp, 0.0) / self.tau) + 1.0
+            self.value = (
+                x if self.peak and x > self.value else self.value + (x - self.value) / self._weight
+            )
         self._stamp = now
+
+    def faded(self, since: float, now: float) -> float | None:
+        """The value decayed toward zero for the time since ``since`` or the last sample,
+        whichever is later: an estimate nothing has refreshed loses its weight (tower's and
+        Finagle's peak EWMA read)."""
+        if self.value is None:
+            return None
+        return self.value * math.exp(-max(now - max(since, self._stamp), 0.0) / self.tau)
 
     def reset(self) -> None:
         self.value = None
+        self._weight = 0.0
 
 
 class DecayingSlope:
@@ -247,6 +260,7 @@ class BackendStats:
         self.scrape = ScrapeState()
         # in-flight integration for windows
         self._in_flight = 0
+        self._idle_since = clock()  # when ``_in_flight`` last dropped to zero
         self._limit = 0
         self._waiters = 0  # our share of the requests waiting in the proxy's queue (admission)
         self._awaiting = 0  # streamed requests sent upstream without a token yet
@@ -347,6 +361,8 @@ class BackendStats:
         """The proxy's in-flight count (or the limit) for this backend changed."""
         now = self._clock() if now is None else now
         self._integrate(now)
+        if in_flight == 0 and self._in_flight > 0:
+            self._idle_since = now
         self._in_flight = in_flight
         self._limit = limit
 
@@ -471,19 +487,28 @@ class BackendStats:
 
     @property
     def ttft(self) -> float | None:
-        """Peak-EWMA TTFT in seconds (errors included as penalties)."""
-        return self.ttft_ewma.value
+        """Peak-EWMA TTFT in seconds (errors included as penalties), faded while idle."""
+        return self._estimate(self.ttft_ewma)
 
     @property
     def itl(self) -> float | None:
-        """EWMA inter-token latency, seconds per token."""
-        return self.itl_ewma.value
+        """EWMA inter-token latency, seconds per token, faded while idle."""
+        return self._estimate(self.itl_ewma)
+
+    def _estimate(self, ewma: DecayingEwma) -> float | None:
+        """A routing estimate as of now. While none of our requests is on the backend nothing
+        refreshes it, and an estimate taken in a burst (a start-up prefill wave, a penalty)
+        would otherwise keep routing away from the backend for good: it fades toward zero
+        until the backend is tried again and measured afresh."""
+        if self._in_flight > 0:
+            return ewma.value
+        return ewma.faded(self._idle_since, self._clock())
 
     def itl_at(self, in_flight: float) -> float | None:
         """Expected ITL with ``in_flight`` requests: the current EWMA moved along the measured
         slope from the load it was measured at (no slope yet, or a negative one: the EWMA).
         Kept within [1/2, 2] x the EWMA: the fit is local, not a model of the engine."""
-        itl, load, slope = self.itl_ewma.value, self.itl_load_ewma.value, self.itl_slope.slope
+        itl, load, slope = self.itl, self.itl_load_ewma.value, self.itl_slope.slope
         if itl is None or load is None or slope is None or slope <= 0:
             return itl
         return min(2.0 * itl, max(0.5 * itl, itl + slope * (in_flight - load)))

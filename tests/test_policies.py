@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -162,3 +163,46 @@ def test_latency_prefers_the_emptier_of_two_similar_backends_below_their_knees()
     a.in_flight, b.in_flight = 3, 1
     lat = make_policy("latency")
     assert {lat.pick([a, b]).name for _ in range(4)} == {"b"}
+
+
+def test_an_estimate_begun_in_a_burst_follows_the_samples_after_it():
+    """The first ITL sample (a start-up prefill stall) counts as one sample, not as all history:
+    a few hundred steady samples later the estimate is theirs."""
+    clock = FakeClock()
+    b = FakeBackend("b", clock=clock)
+    b.stats.observe_in_flight(8, 32)
+    b.stats.observe_itl(0.4)  # the first token after eight prefills
+    for _ in range(200):
+        clock.advance(0.005)
+        b.stats.observe_itl(0.05)
+    assert b.stats.itl == pytest.approx(0.05, rel=0.05)
+
+
+def test_an_idle_backends_estimates_fade_until_it_is_tried_again():
+    """Nothing of ours on it, nothing refreshes its TTFT and ITL: they fade toward zero, so a
+    backend measured slow once is tried again; with a request on it the estimate stands."""
+    clock = FakeClock()
+    b = FakeBackend("b", clock=clock)
+    b.stats.observe_in_flight(1, 32)
+    b.stats.observe_ttft(2.0)
+    b.stats.observe_itl(0.2)
+    b.stats.observe_in_flight(0, 32)
+    ttft0, itl0 = b.stats.ttft, b.stats.itl
+    clock.advance(b.stats.decay_s)
+    assert b.stats.ttft == pytest.approx(ttft0 / math.e)
+    assert b.stats.itl == pytest.approx(itl0 / math.e)
+    b.stats.observe_in_flight(1, 32)
+    assert (b.stats.ttft, b.stats.itl) == (ttft0, itl0)
+
+
+def test_latency_spreads_over_estimates_within_near_best_by_relative_load():
+    """Estimates closer than NEAR_BEST are no evidence: the least loaded for its limit wins, so
+    one backend measured a few percent faster does not take every request."""
+    clock = FakeClock()
+    a = measured("a", ttft=0.1, itl=0.020, limit=64, in_flight=30, clock=clock)
+    b = measured("b", ttft=0.1, itl=0.021, limit=64, in_flight=10, clock=clock)
+    c = measured("c", ttft=0.1, itl=0.030, limit=64, in_flight=0, clock=clock)
+    lat = make_policy("latency")
+    assert {lat.pick([a, b, c]).name for _ in range(4)} == {"b"}
+    b.in_flight = 40
+    assert lat.pick([a, b, c]) is a
