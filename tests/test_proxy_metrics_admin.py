@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import Proxy
@@ -53,3 +54,29 @@ def test_stale_scraped_values_are_flagged_and_not_exported():
     assert _samples(proxy, "pipefill_backend_scrape_stale") == {key: 1.0}
     for name in ("queue_reqs", "running_reqs", "token_usage"):
         assert _samples(proxy, f"pipefill_backend_scraped_{name}") == {}, name
+
+
+def test_the_itl_histogram_exposes_cumulative_buckets_sum_and_count():
+    from prometheus_client import generate_latest
+
+    from proxy.metrics import ITL_BUCKETS, Metrics
+
+    m = Metrics(lambda: [])
+    h = m.itl.labels("b0")
+    assert m.itl.labels("b0") is h  # one child per backend, as the hot path caches it
+    for v in (0.0005, 0.02, 0.02, 3.0):  # 0.02 is a bound: le is inclusive
+        h.observe(v)
+    fam = next(
+        f
+        for f in text_string_to_metric_families(generate_latest(m.registry).decode())
+        if f.name == "pipefill_itl_seconds"
+    )
+    assert fam.type == "histogram"
+    got = {(s.name, s.labels.get("le")): s.value for s in fam.samples}
+    assert got[("pipefill_itl_seconds_bucket", "0.001")] == 1
+    assert got[("pipefill_itl_seconds_bucket", "0.01")] == 1
+    assert got[("pipefill_itl_seconds_bucket", "0.02")] == 3
+    assert got[("pipefill_itl_seconds_bucket", str(ITL_BUCKETS[-1]))] == 3
+    assert got[("pipefill_itl_seconds_bucket", "+Inf")] == 4
+    assert got[("pipefill_itl_seconds_count", None)] == 4
+    assert got[("pipefill_itl_seconds_sum", None)] == pytest.approx(3.0405)
