@@ -70,6 +70,9 @@ class _EventHistograms(Collector):
     def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
         self.name, self.doc, self.bounds = name, doc, bounds
         self.children: dict[str, EventHistogram] = {}
+        # the attributes prometheus-client's own metrics carry, which proxy/reference.py reads
+        # to list a metric's labels before it has a sample
+        self._name, self._labelnames = name, ("backend",)
 
     def labels(self, backend: str) -> EventHistogram:
         return self.children.setdefault(backend, EventHistogram(self.bounds))
