@@ -171,6 +171,27 @@ def test_a_cut_that_takes_what_the_backend_runs_is_undone_and_not_repeated():
     assert len(decisions) == 2 and lim.limit == 64 and lim.capacity == 54
 
 
+def test_room_another_proxy_takes_after_a_cut_is_not_a_loss_to_undo():
+    """Two proxies share a backend that runs 127 with 21 queued. This one cuts its share of the
+    queue; the other proxy's requests take the room, so this one runs fewer after its cut, but
+    the backend runs as many as before (SGLang's running gauge): the cut stands, and the next
+    is not undone."""
+    lim = adaptive(floor=1, initial=85)
+    lim._phase = Phase.HOLD
+    t = 0
+    decisions = []
+    for _ in range(12):
+        mine = lim.limit
+        waiting = 12.0
+        decisions += feed(
+            lim,
+            [win(mine, t, in_flight=float(mine), awaiting_min=waiting, queue=21.0, running=127.0)],
+        )
+        t += 1
+    assert [d.code for d in decisions] == [Code.FULL]
+    assert lim.limit == decisions[0].after == ready(85 - 12)
+
+
 def test_a_cut_that_removes_a_queue_stands_and_a_later_shrink_is_followed():
     lim = adaptive(floor=1, initial=64)
     lim._phase = Phase.HOLD
