@@ -286,10 +286,10 @@ class AdaptiveLimit:
         self._stale = 0
         self._slow = 0  # judged windows in a row with ITL above target_itl_s
         self._told = False  # the server's max_running_requests was applied (see update)
-        #: (requests in flight, requests the backend ran for us, requests of others there)
-        #: where the highest ``full`` cut since the last undo was made from: what later cuts
-        #: are judged against (``_undo_cut``)
-        self._last_cut: tuple[int, int, float] | None = None
+        #: (requests in flight, requests the backend ran for us, and for all its clients if
+        #: SGLang said) where the highest ``full`` cut since the last undo was made from: what
+        #: later cuts are judged against (``_undo_cut``)
+        self._last_cut: tuple[int, int, float | None] | None = None
         #: no ``full`` cut below this: a cut that made the backend run fewer was undone here
         self._keep = 0
         self.decision = Decision(Code.START, self._limit, self._limit, 0.0)
@@ -451,7 +451,7 @@ class AdaptiveLimit:
             p = self.prefill_share
             self._cut = (self._limit, excess * (1.0 - p) + p * w.in_flight, self._phase)
         if self._last_cut is None or w.in_flight >= self._last_cut[0]:
-            self._last_cut = (math.ceil(w.in_flight), ran, self._others(w))
+            self._last_cut = (math.ceil(w.in_flight), ran, w.running_reqs)
         return self._set(self._clamp(target), w, Code.FULL, excess=excess)
 
     def _undo_cut(self, w: Window, ran: int, excess: float) -> Decision | None:
@@ -464,17 +464,18 @@ class AdaptiveLimit:
         requests can take at most ``d`` from what the backend runs: a larger loss is its room
         shrinking (a KV pool thrashing, longer requests), not the cut, and is cut to as usual.
         Such a cut is undone, and no cut goes below that level again (until a restart or a
-        reopen): there the backend runs what sending straight would make it run. Room the cut
-        left that others' requests took (another proxy's, by SGLang's gauges: ``_others``) is
-        not lost to the backend: two proxies that each undid their cut for it overfilled it
-        for good."""
+        reopen): there the backend runs what sending straight would make it run. Where SGLang
+        says what it runs for all its clients, the loss must show there too: room the cut left
+        that another proxy's requests took is not lost to the backend (two proxies that each
+        undid their cut for it overfilled it for good)."""
         if self._last_cut is None:
             return None
-        level, ran_there, others_there = self._last_cut
-        cut, tol = level - self._limit, self._tolerance()
-        # what others gained beyond the gauges' noise is room they took, not room lost
-        took = max(0.0, self._others(w) - others_there - tol)
-        lost = ran_there - ran - took
+        level, ran_there, total_there = self._last_cut
+        cut, lost, tol = level - self._limit, ran_there - ran, self._tolerance()
+        if total_there is not None and w.running_reqs is not None:
+            # a loss to the backend shows in what it runs for all its clients too: room the
+            # cut left that others' requests took is not lost
+            lost = min(lost, total_there - w.running_reqs)
         if lost > cut + tol:
             self._last_cut = None  # the room shrank: later cuts are judged from this one
             return None
@@ -483,14 +484,6 @@ class AdaptiveLimit:
         self._keep, self._last_cut = level, None
         self.capacity = ran_there
         return self._set(self._clamp(level), w, Code.UNDO, excess=excess)
-
-    @staticmethod
-    def _others(w: Window) -> float:
-        """Requests on the backend that are not ours (another proxy's, direct clients'), by
-        SGLang's gauges; 0 where they are not scraped."""
-        if w.running_reqs is None or w.queue_reqs is None:
-            return 0.0
-        return max(0.0, w.running_reqs + w.queue_reqs - w.in_flight)
 
     def _note_runs(self, at: float, runs: float) -> None:
         self._runs.append((at, runs))
