@@ -473,8 +473,6 @@ class AdaptiveLimit:
         level, ran_there, total_there = self._last_cut
         cut, lost, tol = level - self._limit, ran_there - ran, self._tolerance()
         if total_there is not None and w.running_reqs is not None:
-            # a loss to the backend shows in what it runs for all its clients too: room the
-            # cut left that others' requests took is not lost
             lost = min(lost, total_there - w.running_reqs)
         if lost > cut + tol:
             self._last_cut = None  # the room shrank: later cuts are judged from this one

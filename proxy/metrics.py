@@ -8,6 +8,7 @@ Each metric is documented in docs/proxy.md.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,6 +26,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from proxy.backends import Backend, State
 from proxy.prefix import PrefixIndex
@@ -57,10 +59,11 @@ class EventHistogram:
         self.sum += value
 
     def cumulative(self) -> list[tuple[str, float]]:
+        """(le, count at or below it), with ``le`` written as prometheus-client writes it."""
         out, total = [], 0
-        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
             total += n
-            out.append((bound, total))
+            out.append((floatToGoString(bound), total))
         return out
 
 
@@ -68,17 +71,17 @@ class _EventHistograms(Collector):
     """Exposes the backends' :class:`EventHistogram` of one metric."""
 
     def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
-        self.name, self.doc, self.bounds = name, doc, bounds
-        self.children: dict[str, EventHistogram] = {}
-        # the attributes prometheus-client's own metrics carry, which proxy/reference.py reads
-        # to list a metric's labels before it has a sample
+        # ``_name`` and ``_labelnames`` as prometheus-client's own metrics carry them:
+        # proxy/reference.py reads them to list a metric's labels before it has a sample
         self._name, self._labelnames = name, ("backend",)
+        self.doc, self.bounds = doc, bounds
+        self.children: dict[str, EventHistogram] = {}
 
     def labels(self, backend: str) -> EventHistogram:
         return self.children.setdefault(backend, EventHistogram(self.bounds))
 
     def collect(self):
-        family = HistogramMetricFamily(self.name, self.doc, labels=["backend"])
+        family = HistogramMetricFamily(self._name, self.doc, labels=list(self._labelnames))
         for backend, h in self.children.items():
             family.add_metric([backend], h.cumulative(), sum_value=h.sum)
         yield family
@@ -253,8 +256,18 @@ class _AdaptCollector(Collector):
             "probe, server, restart, ...)",
             ["backend", "code"],
         )
-        itl = gauge("pipefill_backend_itl_seconds", "Current ITL (EWMA, seconds per token)", be)
-        ttft = gauge("pipefill_backend_ttft_seconds", "Current TTFT (peak EWMA; errors count)", be)
+        itl = gauge(
+            "pipefill_backend_itl_seconds",
+            "ITL estimate routing uses (seconds per token; fades while the backend holds none "
+            "of our requests)",
+            be,
+        )
+        ttft = gauge(
+            "pipefill_backend_ttft_seconds",
+            "TTFT estimate routing uses (peak EWMA; errors count; fades while the backend "
+            "holds none of our requests)",
+            be,
+        )
         tps = gauge("pipefill_backend_tokens_per_second", "Output tokens/s over the last 10 s", be)
         sq = gauge(
             "pipefill_backend_scraped_queue_reqs", "sglang:num_queue_reqs (sum of ranks)", be

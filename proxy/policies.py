@@ -36,7 +36,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.prefix import NEAR_BEST, PrefixIndex, PrefixRouting
+from proxy.prefix import PrefixIndex, PrefixRouting, near_best
 from proxy.routed import Routed
 
 PolicyName = Literal["latency", "p2c_peak_ewma", "round_robin", "least_in_flight"]
@@ -197,12 +197,7 @@ class Latency:
         offset = next(self._tick) % n  # rotate so exact ties spread
         rotated = candidates[offset:] + candidates[:offset]
         costs = [self.expected_completion(b, out) for b in rotated]
-        best = min(costs)
-        if best < 0:  # unmeasured: probe them first
-            near = [b for b, c in zip(rotated, costs, strict=True) if c < 0]
-        else:
-            near = [b for b, c in zip(rotated, costs, strict=True) if c <= best * (1 + NEAR_BEST)]
-        return min(near, key=_relative_load)
+        return min(near_best(rotated, costs), key=_relative_load)
 
 
 def make_policy(name: str | RoutingSettings = "latency", **kwargs: Any) -> Policy:

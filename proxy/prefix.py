@@ -51,11 +51,13 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
 from proxy.routed import Routed
+
+_T = TypeVar("_T")
 
 #: costs within this fraction of the cheapest candidate's count as equally good: affinity, then
 #: rendezvous hashing, decides among them (the estimate is not finer than that)
@@ -353,7 +355,7 @@ class PrefixRouting:
                 # the prefill it skips would also have stalled every request b runs
                 cost = max(cost - self._prefill(b, out, claim) * b.in_flight, 0.0)
             scored.append(_Scored(cost, claim, b, blocks))
-        near = _near_best(scored)
+        near = near_best(scored, [s.cost for s in scored])
         claimed = [s for s in near if s.claim > 0]
         if claimed:
             b = _longest(prompt, [(s.backend, s.blocks) for s in claimed])
@@ -421,10 +423,10 @@ def _longest(prompt: Prompt, held: Sequence[tuple[Routed, int]]) -> Routed:
     return rendezvous(prompt.hashes[0], equal)
 
 
-def _near_best(scored: list[_Scored]) -> list[_Scored]:
-    """The candidates as good as the cheapest within NEAR_BEST; all unmeasured ones (cost < 0:
+def near_best(items: Sequence[_T], costs: Sequence[float]) -> list[_T]:
+    """The items whose cost is within NEAR_BEST of the cheapest; all unmeasured ones (cost < 0:
     the latency policy probes them first) when there are any."""
-    best = min(s.cost for s in scored)
+    best = min(costs)
     if best < 0:
-        return [s for s in scored if s.cost < 0]
-    return [s for s in scored if s.cost <= best * (1.0 + NEAR_BEST)]
+        return [x for x, c in zip(items, costs, strict=True) if c < 0]
+    return [x for x, c in zip(items, costs, strict=True) if c <= best * (1.0 + NEAR_BEST)]

@@ -77,6 +77,7 @@ def test_the_itl_histogram_exposes_cumulative_buckets_sum_and_count():
     assert got[("pipefill_itl_seconds_bucket", "0.01")] == 1
     assert got[("pipefill_itl_seconds_bucket", "0.02")] == 3
     assert got[("pipefill_itl_seconds_bucket", str(ITL_BUCKETS[-1]))] == 3
+    assert got[("pipefill_itl_seconds_bucket", "1.0")] == 3  # le as prometheus-client writes 1
     assert got[("pipefill_itl_seconds_bucket", "+Inf")] == 4
     assert got[("pipefill_itl_seconds_count", None)] == 4
     assert got[("pipefill_itl_seconds_sum", None)] == pytest.approx(3.0405)
