@@ -616,7 +616,7 @@ class Admission:
         if not cands:
             return False
         b, blocks = prefix.pick(cands, w.prompt, backends)
-        if prefix.home(w.prompt, backends) is b:
+        if b in prefix.homes(w.prompt, backends):
             return False  # w goes where its prefix lives
         best = (False, blocks)
         chosen: tuple[int, _Waiter] | None = None
@@ -630,7 +630,7 @@ class Admission:
             ):
                 continue
             # a waiter whose prefix lives on b first, then the one b holds most of
-            score = (prefix.home(w2.prompt, backends) is b, prefix.index.matched(w2.prompt, b.name))
+            score = (b in prefix.homes(w2.prompt, backends), prefix.index.matched(w2.prompt, b.name))
             if score > best:
                 best, chosen = score, (k2, w2)
         if chosen is None:

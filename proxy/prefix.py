@@ -368,9 +368,14 @@ class PrefixRouting:
         """Where ``prompt`` would go if every routable backend had a free slot, by its claims
         alone (the longest, rendezvous among equals); None when none claims it. The queue
         reads it to let a freed slot pull the waiters whose prefix lives there."""
+        homes = self.homes(prompt, backends)
+        return rendezvous(prompt.hashes[0], homes) if homes else None
+
+    def homes(self, prompt: Prompt, backends: Sequence[Routed]) -> list[Routed]:
+        """The routable backends holding the longest match of ``prompt`` (within NEAR_BEST of
+        it): a hot prefix that spread is at home on each of them."""
         matched = self.index.matches(prompt, [b.name for b in backends if b.routable])
-        held = [(b, matched[b.name]) for b in backends if matched.get(b.name, 0) > 0]
-        return _longest(prompt, held) if held else None
+        return _longest_holders([(b, matched[b.name]) for b in backends if b.name in matched])
 
     def _prefill(self, b: Routed, out: float, claim: float) -> float:
         """Seconds of ``b``'s TTFT that a hit on ``claim`` of the prompt skips."""
@@ -384,13 +389,14 @@ class PrefixRouting:
         """Whether waiting for a slot on ``home`` (full; ``holders`` wait for it already) is
         expected to cost less than taking a free one elsewhere. The wait: one slot frees every
         E2E / in-flight seconds there, and the holders go first. The miss, on the cheapest free
-        backend: the prefill of what the home holds, paid by this request and, batched with
-        their decode, by every request that backend runs (the eviction of another prefix it
-        causes is not counted: the rule errs toward not waiting)."""
+        backend: the prefill of what the home holds beyond what that backend holds itself (a
+        hot prefix is held by several), paid by this request and, batched with their decode,
+        by every request that backend runs (the eviction of another prefix it causes is not
+        counted: the rule errs toward not waiting)."""
         if not free:
             return True
-        blocks = self.index.matched(prompt, home.name)
-        claim = prompt.fraction(blocks) * self.index.trust(home.name)
+        matched = self.index.matches(prompt, [home.name, *(b.name for b in free)])
+        claim = prompt.fraction(matched.get(home.name, 0)) * self.index.trust(home.name)
         out = self.estimate.mean_output([home, *free])
         e2e = self.estimate.expected_completion(home, out)
         if claim <= 0 or e2e < 0:
@@ -400,7 +406,10 @@ class PrefixRouting:
         for b in free:
             if self.estimate.expected_completion(b, out) < 0:
                 return False  # unmeasured: the latency policy probes it
-            miss = min(miss, self._prefill(b, out, claim) * (1 + b.in_flight))
+            held = prompt.fraction(matched.get(b.name, 0)) * self.index.trust(b.name)
+            if held >= claim * (1.0 - NEAR_BEST):
+                return False  # it holds as much: nothing to miss there
+            miss = min(miss, self._prefill(b, out, claim - held) * (1 + b.in_flight))
         return wait < miss
 
     def learn(self, b: Routed, prompt: Prompt, blocks: int) -> float:
@@ -418,9 +427,13 @@ def _longest(prompt: Prompt, held: Sequence[tuple[Routed, int]]) -> Routed:
     """The backend holding the longest match of ``prompt`` (blocks); matches within NEAR_BEST
     of it count as equal and rendezvous hashing of the leading block picks among them, so a
     prefix that spilled onto several backends keeps one home."""
-    top = max(blocks for _, blocks in held)
-    equal = [b for b, blocks in held if blocks >= top * (1.0 - NEAR_BEST)]
-    return rendezvous(prompt.hashes[0], equal)
+    return rendezvous(prompt.hashes[0], _longest_holders(held))
+
+
+def _longest_holders(held: Sequence[tuple[Routed, int]]) -> list[Routed]:
+    """Of (backend, matched blocks), those within NEAR_BEST of the longest match."""
+    top = max((blocks for _, blocks in held), default=0)
+    return [b for b, blocks in held if blocks > 0 and blocks >= top * (1.0 - NEAR_BEST)]
 
 
 def near_best(items: Sequence[_T], costs: Sequence[float]) -> list[_T]:

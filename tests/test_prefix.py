@@ -325,6 +325,23 @@ async def test_a_request_waits_for_its_full_home_when_a_miss_elsewhere_costs_mor
     assert late.done() and late.result().backend is elsewhere
 
 
+async def test_a_request_does_not_wait_for_its_home_when_a_free_backend_holds_the_prefix_too():
+    """As above (waiting would be worth it against a miss), but the other backend holds the
+    same prefix (a hot prefix that spread): there is nothing to miss, it goes there at once."""
+    clock = FakeClock()
+    a, b = measured("A", clock, limit=8), measured("B", clock, limit=8)
+    adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=0.5, load_factor=2.0)
+    first = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
+    home = first.backend
+    elsewhere = b if home is a else a
+    adm.prefix.index.learn(elsewhere.name, adm.prefix.prompt(group(SYSTEM, "other " * 20)))
+    home.in_flight, elsewhere.in_flight = 8, 4
+    again = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30))))
+    await settle()
+    assert again.done() and again.result().backend is elsewhere
+    assert again.result().predicted > 0.5
+
+
 async def test_a_request_does_not_wait_when_its_home_frees_slowly_and_a_miss_is_cheap():
     """One request runs on the home (a slot in 2.5 s), the other backend is idle (a miss costs
     ~0.45 s): it goes there at once."""
