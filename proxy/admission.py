@@ -630,7 +630,10 @@ class Admission:
             ):
                 continue
             # a waiter whose prefix lives on b first, then the one b holds most of
-            score = (b in prefix.homes(w2.prompt, backends), prefix.index.matched(w2.prompt, b.name))
+            score = (
+                b in prefix.homes(w2.prompt, backends),
+                prefix.index.matched(w2.prompt, b.name),
+            )
             if score > best:
                 best, chosen = score, (k2, w2)
         if chosen is None:
