@@ -116,6 +116,28 @@ def test_a_shared_prefix_is_not_prefilled_again():
     assert s.live_stats().num_used_tokens == 0
 
 
+def test_a_prompt_is_cached_once_prefilled_not_only_when_its_request_finishes():
+    """SGLang's cache_unfinished_req: b arrives while a still decodes (a's prefill is done)
+    and matches a's prompt; c, admitted in the same batch as d, does not (d's prefill is not
+    done), and the copies they both computed are freed, not counted twice."""
+    s = Scheduler(load_profile("tp8"), seed=1)
+    a = s.submit(_gen("a", _ids(PREFIX, list(range(100, 300))), out=64), 0.0)
+    while a.generated < 8:
+        s.advance(s.next_time())
+    b = s.submit(_gen("b", _ids(PREFIX, list(range(300, 500)))), s._now)
+    other = list(range(20_000, 22_048))
+    c = s.submit(_gen("c", _ids(other, [1, 2, 3])), s._now)
+    d = s.submit(_gen("d", _ids(other, [4, 5, 6])), s._now)
+    while (nxt := s.next_time()) is not None:
+        s.advance(nxt)
+        assert s.used_tokens <= s.profile.max_total_tokens
+    assert a.finish is not None and b.t_first < a.t_last  # b ran beside a
+    assert b.cached_tokens == len(PREFIX)
+    assert c.cached_tokens == d.cached_tokens == 0
+    assert s.used_tokens == s.cache.total_size  # nothing runs: all that is used is cache
+    assert s.live_stats().num_used_tokens == 0
+
+
 def test_a_conversation_hits_its_whole_history():
     s = Scheduler(load_profile("tp8"), seed=1)
     (first,) = _run(s, [_gen("t1", tuple(range(100, 400)))])

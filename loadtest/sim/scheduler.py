@@ -26,8 +26,10 @@ Model (details and the cost formulas in docs/simulator-engine.md):
 - Prefix cache (RadixAttention; on unless the engine is built with ``radix_cache=False``, and
   only for requests that carry their prompt's token ids): admission matches the prompt against
   a radix tree of cached token prefixes (loadtest/sim/prefix_cache.py) and prefills only the
-  rest; the matched prefix is locked while the request runs. A finished request's prompt and
-  output are inserted, so its KV stays in the pool as cache. Cached tokens no running request
+  rest; the matched prefix is locked while the request runs. A request's prompt is inserted
+  once its prefill is done (locked while it runs; SGLang's cache_unfinished_req), so requests
+  admitted after that match it, and its output when it finishes, so its KV stays in the pool
+  as cache (a retracted request's prompt stays as cache too). Cached tokens no running request
   uses are evictable: admission counts them as room and takes it by evicting least recently
   used leaves, and decode evicts them before it retracts anyone. The gauges count used tokens
   without the evictable ones, as SGLang's ``num_used_tokens`` does.
@@ -143,6 +145,7 @@ class Req:
     prompt_ids: tuple[int, ...] | None = None  # for the radix cache (None: not cached)
     out_ids: list[int] | None = None  # generated ids, kept to cache them at the finish
     node: CacheNode | None = None  # the cached prefix it holds locked while running
+    hit: int = 0  # tokens of its prompt the cache held when it was last admitted
 
     @property
     def remaining(self) -> int:
@@ -410,6 +413,8 @@ class Scheduler:
             if req.target == 0:  # max_new_tokens=0: prefill only
                 self._finish(req, Finish("length", length=0))
                 continue
+            if req.generated == 0 and req.prompt_ids is not None and self.cache is not None:
+                self._cache_unfinished(req)
             req.generated += 1  # its KV token was allocated when the pass launched
             produced += 1
             if req.t_first is None:
@@ -639,6 +644,7 @@ class Scheduler:
         if node is not None and self.cache is not None:
             self.cache.lock(node)
             q.node = node
+        q.hit = hit
         self._make_room(need + 1)
         if q.prompt_ids is not None and q.generated == 0 and q.num_retractions == 0:
             q.cached_tokens = hit
@@ -649,6 +655,20 @@ class Scheduler:
         if req.node is not None and self.cache is not None:
             self.cache.unlock(req.node)
         req.node = None
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """Its prompt is prefilled: the tree takes it now, locked while the request runs, so a
+        request admitted later matches it without waiting for this one to finish (SGLang's
+        cache_unfinished_req). Its own copy of the prompt moves to the tree; what the tree
+        already held (another request cached the same prompt meanwhile) is freed."""
+        assert self.cache is not None and req.prompt_ids is not None
+        node, already = self.cache.insert(req.prompt_ids)
+        self.cache.lock(node)
+        self._unlock(req)
+        req.node = node
+        own = len(req.prompt_ids) - req.hit  # the prompt tokens it computed and held
+        req.kv -= own
+        self.used_tokens -= already - req.hit  # duplicates of what the tree held
 
     def _cache_finished(self, req: Req) -> None:
         """Its prompt and output become cache: the tree takes what it did not hold (the
