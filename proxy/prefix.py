@@ -65,8 +65,12 @@ NEAR_BEST = 0.10
 #: weight of one report in a backend's trust (an EWMA of reported / predicted cached fraction)
 TRUST_ALPHA = 0.2
 #: bytes one index entry takes at most (its hash, bit mask, LRU links, its share of the hash
-#: table just after it grew: 160-225 measured), checked in tests/test_prefix.py
+#: table just after it grew: 160-225 measured; and its share of the last-sent map), checked in
+#: tests/test_prefix.py
 ENTRY_BYTES = 240
+#: the last-sent map (leading block, backend) -> when holds this many times fewer entries than
+#: the block map: a prompt has many blocks and one leading block
+SENT_SHARE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +179,10 @@ class PrefixIndex:
         self.max_bytes = max_bytes
         self.max_entries = max(max_bytes // ENTRY_BYTES, 1)
         self._map: OrderedDict[int, int] = OrderedDict()
+        #: (leading block, backend) -> the sequence number of the last prompt with that leading
+        #: block sent to that backend (LRU, ``max_entries // SENT_SHARE``)
+        self._sent: OrderedDict[int, int] = OrderedDict()
+        self._seq = 0
         self.backends: dict[str, BackendPrefix] = {}
         self.evicted = 0
 
@@ -209,6 +217,12 @@ class PrefixIndex:
     def matched(self, prompt: Prompt, name: str) -> int:
         return self.matches(prompt, (name,)).get(name, 0)
 
+    def last_sent(self, prompt: Prompt, name: str) -> int:
+        """When (a sequence number, 0: not known) a prompt with ``prompt``'s leading block was
+        last sent to ``name``."""
+        bp = self.backends.get(name)
+        return 0 if bp is None else self._sent.get(_sent_key(prompt, bp), 0)
+
     def trust(self, name: str) -> float:
         bp = self.backends.get(name)
         return 1.0 if bp is None else bp.trust
@@ -239,6 +253,13 @@ class PrefixIndex:
             d.popitem(last=False)
         if extra > 0:
             self.evicted += extra
+        self._seq += 1
+        sent = self._sent
+        key = _sent_key(prompt, bp)
+        sent[key] = self._seq
+        sent.move_to_end(key)
+        if len(sent) > max(self.max_entries // SENT_SHARE, 1):
+            sent.popitem(last=False)
 
     def report(
         self, name: str, predicted: float, prompt_tokens: int | None, cached_tokens: int
@@ -264,6 +285,10 @@ class PrefixIndex:
             "evicted": self.evicted,
             "backends": {n: bp.snapshot() for n, bp in self.backends.items()},
         }
+
+
+def _sent_key(prompt: Prompt, bp: BackendPrefix) -> int:
+    return (prompt.hashes[0] << 16) | (bp.bit.bit_length() - 1)
 
 
 class Estimate(Protocol):
@@ -358,7 +383,7 @@ class PrefixRouting:
         near = near_best(scored, [s.cost for s in scored])
         claimed = [s for s in near if s.claim > 0]
         if claimed:
-            b = _longest(prompt, [(s.backend, s.blocks) for s in claimed])
+            b = self._freshest(prompt, [(s.backend, s.blocks) for s in claimed])
             return b, matched.get(b.name, 0)
         bounded = [s.backend for s in near if self._within(s.backend, fleet)]
         b = rendezvous(prompt.hashes[0], bounded or [s.backend for s in near])
@@ -366,16 +391,30 @@ class PrefixRouting:
 
     def home(self, prompt: Prompt, backends: Sequence[Routed]) -> Routed | None:
         """Where ``prompt`` would go if every routable backend had a free slot, by its claims
-        alone (the longest, rendezvous among equals); None when none claims it. The queue
-        reads it to let a freed slot pull the waiters whose prefix lives there."""
-        homes = self.homes(prompt, backends)
-        return rendezvous(prompt.hashes[0], homes) if homes else None
+        alone (the longest; among equals, where it was sent last); None when none claims it.
+        The queue reads it to let a freed slot pull the waiters whose prefix lives there."""
+        matched = self.index.matches(prompt, [b.name for b in backends if b.routable])
+        held = [(b, matched[b.name]) for b in backends if b.name in matched]
+        return self._freshest(prompt, held) if held else None
 
     def homes(self, prompt: Prompt, backends: Sequence[Routed]) -> list[Routed]:
         """The routable backends holding the longest match of ``prompt`` (within NEAR_BEST of
         it): a hot prefix that spread is at home on each of them."""
         matched = self.index.matches(prompt, [b.name for b in backends if b.routable])
         return _longest_holders([(b, matched[b.name]) for b in backends if b.name in matched])
+
+    def _freshest(self, prompt: Prompt, held: Sequence[tuple[Routed, int]]) -> Routed:
+        """Of the backends holding the longest match of ``prompt`` (blocks; matches within
+        NEAR_BEST of it count as equal), the one it was sent to last: a backend's cache lets
+        the least recently used prefix go first, so the copy used last is the likeliest to be
+        there still, and a prefix that spilled onto several backends goes on where it is used
+        while the other copies age out. Rendezvous hashing of the leading block among copies
+        of unknown age."""
+        equal = _longest_holders(held)
+        last = max(self.index.last_sent(prompt, b.name) for b in equal)
+        return rendezvous(
+            prompt.hashes[0], [b for b in equal if self.index.last_sent(prompt, b.name) == last]
+        )
 
     def _prefill(self, b: Routed, out: float, claim: float) -> float:
         """Seconds of ``b``'s TTFT that a hit on ``claim`` of the prompt skips."""
@@ -421,13 +460,6 @@ class PrefixRouting:
         self, name: str, predicted: float, prompt_tokens: int | None, cached_tokens: int
     ) -> None:
         self.index.report(name, predicted, prompt_tokens, cached_tokens)
-
-
-def _longest(prompt: Prompt, held: Sequence[tuple[Routed, int]]) -> Routed:
-    """The backend holding the longest match of ``prompt`` (blocks); matches within NEAR_BEST
-    of it count as equal and rendezvous hashing of the leading block picks among them, so a
-    prefix that spilled onto several backends keeps one home."""
-    return rendezvous(prompt.hashes[0], _longest_holders(held))
 
 
 def _longest_holders(held: Sequence[tuple[Routed, int]]) -> list[Routed]:

@@ -214,20 +214,24 @@ def test_a_busy_backend_holding_the_prefix_wins_the_prefill_it_spares_its_batch(
     assert r.pick([held, idle], p, [held, idle])[0] is held
 
 
-def test_equal_claims_go_where_rendezvous_says_every_time():
-    """A prefix that spilled onto several backends keeps going to one of them."""
+def test_equal_claims_go_where_the_prefix_was_sent_last():
+    """A prefix that spilled onto several backends goes on to the copy used last (the one the
+    backends' LRU caches are likeliest to hold), not to one fixed by its hash."""
     clock = FakeClock()
     backends = [measured(f"b{i}", clock) for i in range(4)]
     r = routing()
     picks = Counter()
     for g in range(20):
         p = prompt_of(group(f"{g} " + SYSTEM, "question " * 10), BLOCK)
-        for b in backends:
-            r.learn(b, p, 0)  # every backend was sent it
-        first = r.pick(backends, p, backends)[0]
-        assert all(r.pick(backends, p, backends)[0] is first for _ in range(5))
-        picks[first.name] += 1
-    assert len(picks) >= 3  # spread over the fleet by the prefix, not all to one backend
+        order = backends[g % 4 :] + backends[: g % 4]
+        for b in order:
+            r.learn(b, p, 0)  # every backend was sent it, order[-1] last
+        assert all(r.pick(backends, p, backends)[0] is order[-1] for _ in range(5))
+        assert r.home(p, backends) is order[-1]
+        r.learn(order[0], p, 0)  # sent again to the first: that copy is now the freshest
+        assert r.pick(backends, p, backends)[0] is order[0]
+        picks[order[0].name] += 1
+    assert len(picks) == 4
 
 
 def test_stale_claims_lose_their_weight_when_the_backend_reports_fewer_cached_tokens():
