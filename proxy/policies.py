@@ -74,7 +74,7 @@ class RoutingSettings(BaseModel):
         description="prefix affinity: memory cap of the index of blocks routed (LRU)",
     )
     prefix_load_factor: float = Field(
-        1.25,
+        2.0,
         ge=1.0,
         description="prefix affinity: a backend with more in flight than this times its share "
         "(by limit) of the fleet's loses its claim to a prefix",

@@ -6,7 +6,8 @@ each request's **expected completion**, the latency policy's estimate, where the
 backend is expected to hold discounts its TTFT (the fraction of the prompt it holds is prefill it
 skips), under a **bounded load**: a backend more loaded than ``load_factor`` times its share of
 what the fleet has in flight loses its claim, so a hot prefix spreads before one backend queues
-it. Nothing here knows a backend's shape; the estimate reads only measured TTFT, ITL and load.
+it (loosely: each backend's limit already keeps it from queueing, and moving a prefix costs a
+miss). Nothing here knows a backend's shape; the estimate reads only measured TTFT, ITL and load.
 
 The request path, as named steps:
 
@@ -334,7 +335,7 @@ class PrefixRouting:
         estimate: Estimate,
         *,
         block_chars: int = 128,
-        load_factor: float = 1.25,
+        load_factor: float = 2.0,
         lookahead: int = 8,
         lookahead_age_s: float = 1.0,
     ) -> None:
