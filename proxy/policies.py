@@ -37,7 +37,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.prefix import PrefixIndex, PrefixRouting, near_best
-from proxy.routed import Routed
+from proxy.routed import Routed, relative_load
 
 PolicyName = Literal["latency", "p2c_peak_ewma", "round_robin", "least_in_flight"]
 
@@ -100,11 +100,6 @@ class Policy(Protocol):
 
 def _weight(b: Routed) -> float:
     return max(float(b.weight or 1.0), 1e-6)
-
-
-def _relative_load(b: Routed) -> float:
-    """In flight with one more, for the backend's limit."""
-    return (b.in_flight + 1) / max(b.limit.limit, 1)
 
 
 class RoundRobin:
@@ -197,7 +192,7 @@ class Latency:
         offset = next(self._tick) % n  # rotate so exact ties spread
         rotated = candidates[offset:] + candidates[:offset]
         costs = [self.expected_completion(b, out) for b in rotated]
-        return min(near_best(rotated, costs), key=_relative_load)
+        return min(near_best(rotated, costs), key=relative_load)
 
 
 def make_policy(name: str | RoutingSettings = "latency", **kwargs: Any) -> Policy:

@@ -36,9 +36,11 @@ The choice among candidates:
   up (consistent hashing with bounded loads). Trust discounts a claim against backends that
   hold nothing, never re-ranks the backends that hold it: a trust that moves with every report
   would move prefixes from backend to backend, and each move evicts;
-- with no claim there (a cold prefix, or a unique prompt), rendezvous hashing picks among
-  them (within their load bound): replicas of the proxy that share nothing send a new prefix
-  group to the same backend, given the same backend names.
+- with no claim there (a cold prefix, or a unique prompt), the least loaded for its limit
+  among them (within their load bound), as the latency policy picks: with no cache to weigh,
+  only load tells them apart, and new groups land evenly. Rendezvous hashing of the leading
+  block breaks exact ties, so at an idle fleet replicas of the proxy that share nothing send
+  a new prefix group to the same backend, given the same backend names.
 
 The index (:class:`PrefixIndex`) is one bounded LRU map, chained block hash -> the backends that
 were sent it (a bit mask), learnt from what the proxy routed, capped in bytes. Leading blocks are
@@ -56,7 +58,7 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
-from proxy.routed import Routed
+from proxy.routed import Routed, relative_load
 
 _T = TypeVar("_T")
 
@@ -386,8 +388,10 @@ class PrefixRouting:
         if claimed:
             b = self._freshest(prompt, [(s.backend, s.blocks) for s in claimed])
             return b, matched.get(b.name, 0)
-        bounded = [s.backend for s in near if self._within(s.backend, fleet)]
-        b = rendezvous(prompt.hashes[0], bounded or [s.backend for s in near])
+        pool = [s.backend for s in near if self._within(s.backend, fleet)]
+        pool = pool or [s.backend for s in near]
+        least = min(relative_load(b) for b in pool)
+        b = rendezvous(prompt.hashes[0], [b for b in pool if relative_load(b) == least])
         return b, matched.get(b.name, 0)
 
     def home(self, prompt: Prompt, backends: Sequence[Routed]) -> Routed | None:

@@ -21,6 +21,11 @@ class Routed(Protocol):
     def routable(self) -> bool: ...
 
 
+def relative_load(b: Routed) -> float:
+    """In flight with one more, for the backend's limit: how full one more request leaves it."""
+    return (b.in_flight + 1) / max(b.limit.limit, 1)
+
+
 class Scraped(Protocol):
     """What the scraper needs besides the stats it fills."""
 

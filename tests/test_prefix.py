@@ -176,6 +176,18 @@ def test_replicas_that_share_nothing_agree_on_a_cold_prefix():
     assert len(set(first)) == 4  # and the groups spread over the fleet
 
 
+def test_new_groups_land_evenly_on_the_least_loaded():
+    """No backend holds a new group: only load tells the candidates apart, so groups bound one
+    after another spread evenly (a hash alone would spread 40 groups over 4 unevenly)."""
+    clock = FakeClock()
+    fleet = [measured(n, clock) for n in "ABCD"]
+    fleet[0].in_flight = 3  # already busier: it takes a new group only once the others are
+    r = routing()
+    for g in range(40):
+        bind(r, fleet, group(f"System prompt of tenant {g}. " * 12, "a question " * 3))
+    assert sorted(b.in_flight for b in fleet) == [10, 11, 11, 11]  # 43 in flight, evenly
+
+
 def test_unique_prompts_route_as_the_latency_policy_does():
     clock = FakeClock()
     fast = measured("fast", clock, ttft=0.1, itl=0.01)
