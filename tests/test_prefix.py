@@ -314,16 +314,25 @@ async def test_a_freed_slot_pulls_the_waiter_its_cache_fits():
     head.result().release()
 
 
-async def test_a_request_waits_for_its_full_home_when_a_miss_elsewhere_costs_more():
-    """E2E 2.5 s: the full home (8 running) frees a slot every ~0.3 s; a miss on the other
-    backend (4 running) costs ~0.45 s of prefill for it and each of them: worth waiting."""
-    clock = FakeClock()
+async def full_home(clock, *, spread: bool = False):
+    """Two backends of limit 8: SYSTEM's home full (8 running), the other with 4 and a free
+    slot (holding SYSTEM too when ``spread``). (admission, home, elsewhere)"""
     a, b = measured("A", clock, limit=8), measured("B", clock, limit=8)
     adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=0.5, load_factor=2.0)
     first = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
     home = first.backend
     elsewhere = b if home is a else a
+    if spread:
+        adm.prefix.index.learn(elsewhere.name, adm.prefix.prompt(group(SYSTEM, "other " * 20)))
     home.in_flight, elsewhere.in_flight = 8, 4
+    return adm, home, elsewhere
+
+
+async def test_a_request_waits_for_its_full_home_when_a_miss_elsewhere_costs_more():
+    """E2E 2.5 s: the full home (8 running) frees a slot every ~0.3 s; a miss on the other
+    backend (4 running) costs ~0.45 s of prefill for it and each of them: worth waiting."""
+    clock = FakeClock()
+    adm, home, elsewhere = await full_home(clock)
     again = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30))))
     await settle()
     assert not again.done()  # a slot is free on the other backend, yet it waits
@@ -344,14 +353,7 @@ async def test_a_request_waits_for_its_full_home_when_a_miss_elsewhere_costs_mor
 async def test_a_request_does_not_wait_for_its_home_when_a_free_backend_holds_the_prefix_too():
     """As above (waiting would be worth it against a miss), but the other backend holds the
     same prefix (a hot prefix that spread): there is nothing to miss, it goes there at once."""
-    clock = FakeClock()
-    a, b = measured("A", clock, limit=8), measured("B", clock, limit=8)
-    adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=0.5, load_factor=2.0)
-    first = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
-    home = first.backend
-    elsewhere = b if home is a else a
-    adm.prefix.index.learn(elsewhere.name, adm.prefix.prompt(group(SYSTEM, "other " * 20)))
-    home.in_flight, elsewhere.in_flight = 8, 4
+    adm, _, elsewhere = await full_home(FakeClock(), spread=True)
     again = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30))))
     await settle()
     assert again.done() and again.result().backend is elsewhere
