@@ -234,9 +234,6 @@ class TokenCounter:
         if payload == DONE:
             self.done = True
             return 0
-        if self.api == "chat" and _one_text_token(payload):
-            self.chunk_tokens += 1
-            return 1
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -394,29 +391,6 @@ class TokenCounter:
             new = 1
         self.chunk_tokens += new
         return new
-
-
-#: the usual chat chunk, found without parsing it: one choice (one ``"index":``), not finished,
-#: no usage or error, and non-empty ``content``. JSON escapes every quote inside a
-#: string, so none of these patterns can come from the text itself.
-_CONTENT = b'"content":"'
-
-
-def _one_text_token(payload: bytes) -> bool:
-    """Whether ``payload`` is the usual chat chunk that carries text and nothing else to account
-    (what full parsing would count as one token and note nothing else of); False when unsure:
-    then it is parsed."""
-    if (
-        not payload.startswith(b"{")
-        or not payload.endswith(b"}")
-        or b'"finish_reason":null' not in payload
-        or payload.count(b'"index":') != 1
-        or (b'"usage"' in payload and b'"usage":null' not in payload)
-        or b'"error"' in payload
-    ):
-        return False
-    i = payload.find(_CONTENT)
-    return i >= 0 and payload[i + len(_CONTENT) : i + len(_CONTENT) + 1] not in (b'"', b"")
 
 
 def _is_int(x: object) -> bool:

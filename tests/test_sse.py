@@ -1,8 +1,5 @@
 """SSE framing and token accounting shared by the proxy and the load generator."""
 
-import itertools
-import json
-
 import orjson
 import pytest
 from hypothesis import given
@@ -135,88 +132,3 @@ def test_framer_skips_events_over_its_bound_and_keeps_framing(sizes, cuts, crlf)
     assert got == expected
     assert framer.oversized == expected.count(OVERSIZED)
     assert framer.pending == b""
-
-
-def _parsed(payload: bytes) -> TokenCounter:
-    """A chat counter fed ``payload`` through full JSON parsing (no byte-level shortcut)."""
-    counter = TokenCounter("chat")
-    counter.events += 1
-    counter.chunk_tokens += counter._observe_openai(orjson.loads(payload))
-    return counter
-
-
-_ABSENT = object()
-
-
-def _chunks():
-    """Chat chunks of every combination that decides the accounting: one or two choices;
-    content text (with quotes too), empty, null or absent; reasoning and tool calls absent, null
-    or set; finished or not; usage absent, null or set; compact or spaced JSON."""
-    fields = {
-        "content": [_ABSENT, None, "", "ab", '"usage":{"completion_tokens":9}', '"'],
-        "reasoning_content": [_ABSENT, None, "think"],
-        "tool_calls": [_ABSENT, None, [{"index": 0, "id": "c"}]],
-    }
-    for content, reasoning, tools in itertools.product(*fields.values()):
-        delta = {
-            k: v
-            for k, v in zip(fields, (content, reasoning, tools), strict=True)
-            if v is not _ABSENT
-        }
-        for n, finish, usage, spaced in itertools.product(
-            (1, 2), (None, "stop"), (_ABSENT, None, {"prompt_tokens": 3, "completion_tokens": 2}),
-            (False, True),
-        ):  # fmt: skip
-            obj = {
-                "id": "x",
-                "object": "chat.completion.chunk",
-                "choices": [
-                    {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-                    for i in range(n)
-                ],
-            }
-            if usage is not _ABSENT:
-                obj["usage"] = usage
-            yield json.dumps(obj).encode() if spaced else orjson.dumps(obj)
-
-
-def test_the_usual_chunk_counts_as_full_parsing_would():
-    """Chat chunks found without parsing (one choice with text, nothing else to account) count
-    exactly as parsing them would, whatever the text holds."""
-    quick_ones = 0
-    for payload in _chunks():
-        quick = TokenCounter("chat")
-        n = quick.observe(payload)
-        full = _parsed(payload)
-        quick_ones += quick.chunk_tokens == 1 and b'"usage":{' not in payload
-        assert n == full.chunk_tokens, payload
-        assert (quick.chunk_tokens, quick.completion_tokens, quick.prompt_tokens) == (
-            full.chunk_tokens,
-            full.completion_tokens,
-            full.prompt_tokens,
-        ), payload
-        assert (quick.finish_reason, quick.error, quick.malformed) == (
-            full.finish_reason,
-            full.error,
-            full.malformed,
-        ), payload
-    assert quick_ones  # the shortcut was taken
-    # two choices, one of them finished: parsed, so the finish is seen
-    mixed = orjson.dumps(
-        {
-            "choices": [
-                {"index": 0, "delta": {"content": "a"}, "finish_reason": "stop"},
-                {"index": 1, "delta": {"content": "b"}, "finish_reason": None},
-            ]
-        }
-    )
-    counter = TokenCounter("chat")
-    assert counter.observe(mixed) == 1 and counter.finish_reason == "stop"
-
-
-def test_text_that_looks_like_accounting_fields_is_still_one_token():
-    for text in ['"usage":{"completion_tokens":9}', '","finish_reason":"stop', '"index":1']:
-        payload = _chat({"content": text})
-        counter = TokenCounter("chat")
-        assert counter.observe(payload) == 1
-        assert counter.finish_reason is None and counter.completion_tokens is None
