@@ -30,12 +30,13 @@ The choice among candidates:
   that discount once more for every request the backend runs: a prefill it skips would have
   stalled each of them (SGLang batches prefill with decode);
 - among the candidates within ``NEAR_BEST`` of the cheapest cost, the longest match wins (the
-  matches within ``NEAR_BEST`` of it count as equal, and **rendezvous hashing** of the prompt's
-  leading block picks among them, so a prefix that spilled onto several backends keeps going
-  to one of them, where it stays hot); the load bound is what keeps a hot prefix from piling
-  up (consistent hashing with bounded loads). Trust discounts a claim against backends that
-  hold nothing, never re-ranks the backends that hold it: a trust that moves with every report
-  would move prefixes from backend to backend, and each move evicts;
+  matches within ``NEAR_BEST`` of it count as equal, and the copy the prompt's leading block was
+  **sent to last** wins among them: the one a backend's LRU cache likeliest still holds, so a
+  prefix that spilled onto several backends goes on where it is used); the load bound is what
+  keeps a hot prefix from piling up (consistent hashing with bounded loads). Trust discounts a
+  claim against backends that hold nothing, never re-ranks the backends that hold it: a trust
+  that moves with every report would move prefixes from backend to backend, and each move
+  evicts;
 - with no claim there (a cold prefix, or a unique prompt), the least loaded for its limit
   among them (within their load bound), as the latency policy picks: with no cache to weigh,
   only load tells them apart, and new groups land evenly. Rendezvous hashing of the leading
@@ -63,7 +64,7 @@ from proxy.routed import Routed, relative_load
 _T = TypeVar("_T")
 
 #: costs within this fraction of the cheapest candidate's count as equally good: affinity, then
-#: rendezvous hashing, decides among them (the estimate is not finer than that)
+#: load, decides among them (the estimate is not finer than that)
 NEAR_BEST = 0.10
 #: weight of one report in a backend's trust (an EWMA of reported / predicted cached fraction)
 TRUST_ALPHA = 0.2
@@ -386,7 +387,7 @@ class PrefixRouting:
         near = near_best(scored, [s.cost for s in scored])
         claimed = [s for s in near if s.claim > 0]
         if claimed:
-            b = self._freshest(prompt, [(s.backend, s.blocks) for s in claimed])
+            b = self._freshest(prompt, _longest_holders([(s.backend, s.blocks) for s in claimed]))
             return b, matched.get(b.name, 0)
         pool = [s.backend for s in near if self._within(s.backend, fleet)]
         pool = pool or [s.backend for s in near]
@@ -398,9 +399,8 @@ class PrefixRouting:
         """Where ``prompt`` would go if every routable backend had a free slot, by its claims
         alone (the longest; among equals, where it was sent last); None when none claims it.
         The queue reads it to let a freed slot pull the waiters whose prefix lives there."""
-        matched = self.index.matches(prompt, [b.name for b in backends if b.routable])
-        held = [(b, matched[b.name]) for b in backends if b.name in matched]
-        return self._freshest(prompt, held) if held else None
+        homes = self.homes(prompt, backends)
+        return self._freshest(prompt, homes) if homes else None
 
     def homes(self, prompt: Prompt, backends: Sequence[Routed]) -> list[Routed]:
         """The routable backends holding the longest match of ``prompt`` (within NEAR_BEST of
@@ -408,18 +408,15 @@ class PrefixRouting:
         matched = self.index.matches(prompt, [b.name for b in backends if b.routable])
         return _longest_holders([(b, matched[b.name]) for b in backends if b.name in matched])
 
-    def _freshest(self, prompt: Prompt, held: Sequence[tuple[Routed, int]]) -> Routed:
-        """Of the backends holding the longest match of ``prompt`` (blocks; matches within
-        NEAR_BEST of it count as equal), the one it was sent to last: a backend's cache lets
-        the least recently used prefix go first, so the copy used last is the likeliest to be
-        there still, and a prefix that spilled onto several backends goes on where it is used
-        while the other copies age out. Rendezvous hashing of the leading block among copies
-        of unknown age."""
-        equal = _longest_holders(held)
-        last = max(self.index.last_sent(prompt, b.name) for b in equal)
-        return rendezvous(
-            prompt.hashes[0], [b for b in equal if self.index.last_sent(prompt, b.name) == last]
-        )
+    def _freshest(self, prompt: Prompt, equal: Sequence[Routed]) -> Routed:
+        """Of backends holding ``prompt`` equally (``_longest_holders``), the one it was sent to
+        last: a backend's cache lets the least recently used prefix go first, so the copy used
+        last is the likeliest to be there still, and a prefix that spilled onto several backends
+        goes on where it is used while the other copies age out. Rendezvous hashing of the
+        leading block among copies of unknown age."""
+        sent = [(self.index.last_sent(prompt, b.name), b) for b in equal]
+        last = max(seq for seq, _ in sent)
+        return rendezvous(prompt.hashes[0], [b for seq, b in sent if seq == last])
 
     def _prefill(self, b: Routed, out: float, claim: float) -> float:
         """Seconds of ``b``'s TTFT that a hit on ``claim`` of the prompt skips."""
