@@ -37,11 +37,12 @@ The choice among candidates:
   claim against backends that hold nothing, never re-ranks the backends that hold it: a trust
   that moves with every report would move prefixes from backend to backend, and each move
   evicts;
-- with no claim there (a cold prefix, or a unique prompt), the least loaded for its limit
-  among them (within their load bound), as the latency policy picks: with no cache to weigh,
-  only load tells them apart, and new groups land evenly. Rendezvous hashing of the leading
-  block breaks exact ties, so at an idle fleet replicas of the proxy that share nothing send
-  a new prefix group to the same backend, given the same backend names.
+- with no claim there (a cold prefix, or a unique prompt), the least busy among them (the
+  share of its limit in flight; within their load bound): with no cache to weigh, only load
+  tells them apart, and new groups land evenly. Rendezvous hashing of the leading block breaks
+  exact ties, so at an idle fleet, whatever the limits, the groups spread by their hash (not
+  all onto the backend whose limit grew first), and replicas of the proxy that share nothing
+  send a new prefix group to the same backend, given the same backend names.
 
 The index (:class:`PrefixIndex`) is one bounded LRU map, chained block hash -> the backends that
 were sent it (a bit mask), learnt from what the proxy routed, capped in bytes. Leading blocks are
@@ -59,7 +60,7 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
-from proxy.routed import Routed, relative_load
+from proxy.routed import Routed
 
 _T = TypeVar("_T")
 
@@ -391,8 +392,8 @@ class PrefixRouting:
             return b, matched.get(b.name, 0)
         pool = [s.backend for s in near if self._within(s.backend, fleet)]
         pool = pool or [s.backend for s in near]
-        least = min(relative_load(b) for b in pool)
-        b = rendezvous(prompt.hashes[0], [b for b in pool if relative_load(b) == least])
+        least = min(_busy(b) for b in pool)
+        b = rendezvous(prompt.hashes[0], [b for b in pool if _busy(b) == least])
         return b, matched.get(b.name, 0)
 
     def home(self, prompt: Prompt, backends: Sequence[Routed]) -> Routed | None:
@@ -462,6 +463,12 @@ class PrefixRouting:
         self, name: str, predicted: float, prompt_tokens: int | None, cached_tokens: int
     ) -> None:
         self.index.report(name, predicted, prompt_tokens, cached_tokens)
+
+
+def _busy(b: Routed) -> float:
+    """The share of its limit ``b`` has in flight: zero on every idle backend, whatever its
+    limit, so an idle fleet ties and the hash spreads new groups."""
+    return b.in_flight / max(b.limit.limit, 1)
 
 
 def _longest_holders(held: Sequence[tuple[Routed, int]]) -> list[Routed]:

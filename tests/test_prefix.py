@@ -188,6 +188,25 @@ def test_new_groups_land_evenly_on_the_least_loaded():
     assert sorted(b.in_flight for b in fleet) == [10, 11, 11, 11]  # 43 in flight, evenly
 
 
+def test_an_idle_fleet_spreads_new_groups_by_their_hash_whatever_the_limits():
+    """Groups arriving one at a time find every backend idle: the backend whose limit happens
+    to be largest must not take them all (the cache of the others would stay empty)."""
+    clock = FakeClock()
+    systems = [f"System prompt of tenant {g}. " * 12 for g in range(12)]
+    placed = []
+    for limits in ((32, 32, 32), (8, 64, 16)):
+        fleet = [measured(n, clock, limit=lim) for n, lim in zip("ABC", limits, strict=True)]
+        r = routing()
+        picks = []
+        for s in systems:
+            picks.append(bind(r, fleet, group(s, "a question " * 3)))
+            for b in fleet:
+                b.in_flight = 0  # the request finished before the next group arrives
+        placed.append(picks)
+    assert placed[0] == placed[1]  # the limits do not decide; the hash does
+    assert len(set(placed[1])) == 3
+
+
 def test_unique_prompts_route_as_the_latency_policy_does():
     clock = FakeClock()
     fast = measured("fast", clock, ttft=0.1, itl=0.01)
