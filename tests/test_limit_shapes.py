@@ -179,6 +179,9 @@ def test_a_tiny_shape_runs_through_every_client_count(parallelism, stages):
         if r["best_fixed"] == r["clients"]:
             assert (r["best_tps"], r["best_ttft_p99"]) == (r["direct_tps"], r["direct_ttft_p99"])
         assert r["tps_ratio"] == pytest.approx(r["adaptive_tps"] / r["best_tps"])
+        # judged on seeds other than the one the best fixed limit was selected on
+        assert len(r["tps_ratios"]) == r["eval_seeds"] == bench.EVAL_SEEDS
+        assert shape.seed not in bench.eval_seeds(shape)
         assert r["ttft_ratio"] == pytest.approx(r["adaptive_ttft_p99"] / r["best_ttft_p99"])
         assert r["passes"] == bench.passes(r["tps_ratio"], r["ttft_ratio"])
         assert 0 <= r["window_noise"] < 1
