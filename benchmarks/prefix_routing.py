@@ -16,7 +16,12 @@ Workloads (closed loop, chat API, one level of ``--concurrency`` clients):
   pool holds beside its running requests (benchmarks/profiles/tp-prefix.toml), about half of
   what four hold (with 24 groups, barely more than one: routing without affinity hit 63%);
 - ``multi-turn``: every client keeps a conversation of up to ``TURNS`` turns (each turn re-sends
-  the history and the answer it got), then starts a new one;
+  the history and the answer it got, then a question of ``TURN_WORDS``), then starts a new one.
+  Sized as ``shared-prefix`` is: at 96 clients the histories (~720 tokens on average with
+  128-token answers) together are about twice what one backend's pool holds beside its
+  running requests, about half of what four hold. Where histories outgrow even four pools
+  (questions of 256 tokens: the running requests alone nearly fill each pool) every router hit
+  ~40% and affinity gained 1.04x (results/history/2026-12-06/prefix_routing-multi-turn-256.md);
 - ``skewed``: ``shared-prefix`` with one group carrying ``SKEW`` of the traffic.
 
 Reported per (workload, front end): output tok/s, TTFT p50/p99, E2E p99 (modelled seconds, the
@@ -55,11 +60,13 @@ FRONTS = ["affinity", "no-affinity", "router:cache_aware", "router:round_robin"]
 GROUPS = 48
 PREFIX_TOKENS = 2048
 TURNS = 8
+TURN_WORDS = 32
 SKEW = 0.8
 WORKLOADS: dict[str, list[str]] = {
     "shared-prefix": ["--workload", "shared-prefix", "--prefix-groups", str(GROUPS),
                       "--prefix-tokens", str(PREFIX_TOKENS), "--input-len", "256"],
-    "multi-turn": ["--workload", "multi-turn", "--turns", str(TURNS), "--input-len", "256"],
+    "multi-turn": ["--workload", "multi-turn", "--turns", str(TURNS),
+                   "--input-len", str(TURN_WORDS)],
     "skewed": ["--workload", "shared-prefix", "--prefix-groups", str(GROUPS),
                "--prefix-tokens", str(PREFIX_TOKENS), "--prefix-skew", str(SKEW),
                "--input-len", "256"],
@@ -189,8 +196,9 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float) ->
         f"Command: `python benchmarks/prefix_routing.py{' --quick' if args.quick else ''}"
         f"{f' --repeats {args.repeats}' if args.repeats != 1 else ''}`. Simulator time scale "
         f"{args.time_scale} (times in modelled seconds); warmup {args.warmup:g} s, window "
-        f"{args.duration:g} s; chat API, questions of 256 tokens, output {args.output_len} "
-        f"tokens. shared-prefix: {GROUPS} groups; multi-turn: up to {TURNS} turns; skewed: one "
+        f"{args.duration:g} s; chat API, questions of 256 tokens (multi-turn: {TURN_WORDS} per "
+        f"turn), output {args.output_len} tokens. shared-prefix: {GROUPS} groups; multi-turn: "
+        f"up to {TURNS} turns; skewed: one "
         f"of {GROUPS} groups carries {SKEW:.0%}. Wall time {wall:.0f} s, {load_cpu()}.",
         "",
         f"Medians over {args.repeats} repeat(s). Hit rate: cached / prompt tokens, as the "
