@@ -21,7 +21,7 @@ Workloads (closed loop, chat API, one level of ``--concurrency`` clients):
   128-token answers) together are about twice what one backend's pool holds beside its
   running requests, about half of what four hold. Where histories outgrow even four pools
   (questions of 256 tokens: the running requests alone nearly fill each pool) every router hit
-  ~40% and affinity gained 1.04x (results/history/2026-12-06/prefix_routing-multi-turn-256.md);
+  ~40% and affinity gained 1.04x (results/history/2026-12-06/prefix_routing-c6871fa.md);
 - ``skewed``: ``shared-prefix`` with one group carrying ``SKEW`` of the traffic.
 
 Reported per (workload, front end): output tok/s, TTFT p50/p99, E2E p99 (modelled seconds, the
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,7 @@ def run_one(workload: str, front: str, args: argparse.Namespace, tag: str) -> di
     """One front end on one workload, against fresh simulators."""
     ts = args.time_scale
     with Harness(f"prefix-{workload}-{front.replace(':', '-')}{tag}", time_scale=ts) as h:
-        urls = h.sims([PROFILE] * BACKENDS, extra=["--enable-cache-report"], seed=args.seed)
+        urls = h.sims([args.profile] * BACKENDS, extra=["--enable-cache-report"], seed=args.seed)
         if front.startswith("router:"):
             fe = h.router(urls, front.split(":", 1)[1])
         else:
@@ -190,11 +191,11 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 
 def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float) -> str:
     lines = [
-        f"## prefix routing: {BACKENDS} `tp-prefix` simulators (radix cache, "
+        f"## prefix routing: {BACKENDS} `{Path(args.profile).stem}` simulators (radix cache, "
         f"{PREFIX_TOKENS}-token prefixes), {args.concurrency} closed-loop clients",
         "",
-        f"Command: `python benchmarks/prefix_routing.py{' --quick' if args.quick else ''}"
-        f"{f' --repeats {args.repeats}' if args.repeats != 1 else ''}`. Simulator time scale "
+        f"Command: `{' '.join(['python benchmarks/prefix_routing.py', *sys.argv[1:]])}`. "
+        f"Simulator time scale "
         f"{args.time_scale} (times in modelled seconds); warmup {args.warmup:g} s, window "
         f"{args.duration:g} s; chat API, questions of 256 tokens (multi-turn: {TURN_WORDS} per "
         f"turn), output {args.output_len} tokens. shared-prefix: {GROUPS} groups; multi-turn: "
@@ -247,7 +248,10 @@ def main() -> int:
                     help="pipefill with a fixed limit per backend instead of adaptive")  # fmt: skip
     ap.add_argument("--load-factor", type=float, default=None,
                     help="pipefill's [routing] prefix_load_factor (default: its own)")  # fmt: skip
+    ap.add_argument("--profile", default=PROFILE,
+                    help="simulator profile of the four backends (default: tp-prefix)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="short smoke run")
+    ap.add_argument("--out", type=Path, help="results path without suffix (.md and .json)")
     ap.add_argument("--no-save", action="store_true", help="print only")
     ap.add_argument("--verbose", action="store_true", help="print the proxy's view of each run")
     args = ap.parse_args()
@@ -255,6 +259,11 @@ def main() -> int:
         bad = [x for x in name.split(",") if x not in known]
         if bad:
             ap.error(f"unknown {', '.join(bad)}; choose from {', '.join(known)}")
+    profile = Path(args.profile)
+    if profile.suffix == ".toml":
+        if not profile.is_file():
+            ap.error(f"no profile file {args.profile}")
+        args.profile = str(profile.resolve())  # the simulators run in another directory
     if args.quick:
         args.warmup, args.duration = 10.0, 20.0
     t0 = time.monotonic()
@@ -279,6 +288,7 @@ def main() -> int:
             "prefix_routing" + ("-quick" if args.quick else ""),
             text,
             {"args": vars(args), "runs": runs, "median_rows": rows, "verdicts": verdicts(rows)},
+            args.out,
         )
     return 0
 
