@@ -28,9 +28,11 @@ than the miss (``_holds_for_home``). And a freed slot may go past the head of a 
 backend the head would be bound to, unless it is the head's home, takes of the first
 ``lookahead`` waiters of that class one whose home it is, else the one whose prompt it holds
 most of (by the index), if that one holds more than the head's. Fairness: FIFO within a
-class otherwise; a waiter that has waited ``lookahead_age_s`` is never passed over (so no one
-waits more than that longer than FIFO would make it); a batch never goes before an interactive
-request; a head of many sequences is not passed.
+class otherwise; a waiter later requests went before ``lookahead`` times is not passed over
+again and no longer holds out for its home (so no one waits more than ``lookahead`` requests
+longer than FIFO would make it, however deep the queue and long the wait; ``lookahead_age_s``,
+if set, also bounds it in time); a batch never goes before an interactive request; a head of
+many sequences is not passed.
 
 Every rejection is counted by reason. ``lease.release()`` is idempotent; it frees the slot and
 hands it to the next waiter. ``admission.wake()`` re-runs dispatch after backends, health or
@@ -182,7 +184,17 @@ class Lease:
 
 
 class _Waiter:
-    __slots__ = ("enqueued", "exclude", "fut", "priority", "prompt", "seqs", "size", "timer")
+    __slots__ = (
+        "enqueued",
+        "exclude",
+        "fut",
+        "passed",
+        "priority",
+        "prompt",
+        "seqs",
+        "size",
+        "timer",
+    )
 
     def __init__(
         self,
@@ -202,6 +214,7 @@ class _Waiter:
         self.seqs = seqs
         self.prompt = prompt
         self.timer: asyncio.TimerHandle | None = None
+        self.passed = 0  # times later requests went before it (prefix affinity's lookahead)
 
 
 class Admission:
@@ -517,20 +530,22 @@ class Admission:
         seqs: int,
         waited: float,
         holding: dict[str, int] | None = None,
+        passed: int = 0,
     ) -> Routed | None:
         """The full backend this request waits for instead of taking a free slot elsewhere:
         its prefix's home (proxy/prefix.py), within its load bound, when the wait for a slot
         there is expected to cost less than the miss elsewhere (``PrefixRouting.worth_waiting``;
         ``holding``: how many wait for each home already, unknown for an arrival: then every
-        waiter counts). Never past ``lookahead_age_s``, never more than
-        ``lookahead`` holders for one home: a hot prefix still spreads."""
+        waiter counts). Not once later requests went before it ``lookahead`` times
+        (``PrefixRouting.may_pass``; ``passed``), never more than ``lookahead`` holders for one
+        home: a hot prefix still spreads."""
         prefix = self.prefix
         if (
             prefix is None
             or prompt is None
             or seqs > 1
             or prefix.lookahead <= 1
-            or waited >= prefix.lookahead_age_s
+            or not prefix.may_pass(passed, waited)
             or (holding is None and self.depth >= prefix.lookahead)
         ):
             return None
@@ -550,6 +565,7 @@ class Admission:
 
     def _hand_out(self, backends: list[Routed], now: float) -> None:
         holding: dict[str, int] = {}  # waiters left waiting for their prefix's home, by home
+        held: list[_Waiter] = []  # ...and those waiters: each bind behind them passes them
         for p in PRIORITIES:
             q = self._queues[p]
             for key in list(q):
@@ -575,9 +591,12 @@ class Admission:
                     ):
                         return  # a later waiter took the last free slot; w stays first
                 waited = now - w.enqueued
-                home = self._holds_for_home(backends, w.exclude, w.prompt, w.seqs, waited, holding)
+                home = self._holds_for_home(
+                    backends, w.exclude, w.prompt, w.seqs, waited, holding, w.passed
+                )
                 if home is not None:
                     holding[home.name] = holding.get(home.name, 0) + 1
+                    held.append(w)
                     continue  # it waits for its home to free a slot; a later waiter may go
                 lease = self._bind(backends, w.exclude, p, waited, w.seqs, w.prompt)
                 if lease is None:
@@ -587,6 +606,8 @@ class Admission:
                 q.pop(key, None)
                 self._observe_wait(p, waited, "admitted")
                 w.fut.set_result(lease)
+                for h in held:
+                    h.passed += 1
 
     def _pulled_past(
         self,
@@ -601,15 +622,15 @@ class Admission:
         instead the waiter among the first ``lookahead`` of its class whose home it is (else
         the one whose prompt it holds more of than ``w``'s): the backend pulls the work its
         cache fits, so a queue does not scatter a prefix over whichever backend frees first.
-        False when none does, or ``w`` may not be passed (it waited ``lookahead_age_s``, has no
-        prompt, or runs many sequences)."""
+        False when none does, or ``w`` may not be passed (``PrefixRouting.may_pass``, no
+        prompt, or many sequences). Each waiter the one taken goes before counts it."""
         prefix = self.prefix
         if (
             prefix is None
             or prefix.lookahead <= 1
             or w.prompt is None
             or w.seqs > 1
-            or now - w.enqueued >= prefix.lookahead_age_s
+            or not prefix.may_pass(w.passed, now - w.enqueued)
         ):
             return False
         cands = self._free(backends, w.exclude, 1)
@@ -643,6 +664,10 @@ class Admission:
         lease = self._bind([b], w2.exclude, p, waited, 1, w2.prompt)
         if lease is None:
             return False
+        for k3, w3 in q.items():  # everyone ahead of it was passed over
+            if k3 == k2:
+                break
+            w3.passed += 1
         q.pop(k2, None)
         self._observe_wait(p, waited, "admitted")
         w2.fut.set_result(lease)

@@ -83,12 +83,14 @@ class RoutingSettings(BaseModel):
         8,
         ge=1,
         description="prefix affinity: a freed slot may go to the best-matching of this many "
-        "oldest waiters of the first class waiting (1: strict FIFO)",
+        "oldest waiters of the first class waiting, and no waiter is passed over more often "
+        "(1: strict FIFO)",
     )
-    prefix_lookahead_age_s: float = Field(
-        1.0,
+    prefix_lookahead_age_s: float | None = Field(
+        None,
         ge=0,
-        description="prefix affinity: a waiter that waited this long is not passed over",
+        description="prefix affinity: also never pass over a waiter that waited this long "
+        "(default: none; later requests go before a waiter at most prefix_lookahead times)",
     )
 
 

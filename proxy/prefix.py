@@ -341,7 +341,7 @@ class PrefixRouting:
         block_chars: int = 128,
         load_factor: float = 2.0,
         lookahead: int = 8,
-        lookahead_age_s: float = 1.0,
+        lookahead_age_s: float | None = None,
     ) -> None:
         self.index = index
         self.estimate = estimate
@@ -352,6 +352,16 @@ class PrefixRouting:
 
     def prompt(self, obj: dict[str, Any] | None) -> Prompt | None:
         return prompt_of(obj, self.block_chars)
+
+    def may_pass(self, passed: int, waited: float) -> bool:
+        """Whether a waiter later requests went before ``passed`` times (and that waited
+        ``waited`` s) may be passed over again, or hold out for its prefix's home: at most
+        ``lookahead`` times, so that no one waits more than ``lookahead`` requests longer than
+        FIFO would make it, at any queue depth and time scale (and, if ``lookahead_age_s`` is
+        set, never once it waited that long)."""
+        if passed >= self.lookahead:
+            return False
+        return self.lookahead_age_s is None or waited < self.lookahead_age_s
 
     def within_bound(self, b: Routed, backends: Sequence[Routed]) -> bool:
         """One more request keeps ``b`` within ``load_factor`` x its share (by limit) of what

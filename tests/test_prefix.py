@@ -333,11 +333,11 @@ async def test_a_freed_slot_pulls_the_waiter_its_cache_fits():
     head.result().release()
 
 
-async def full_home(clock, *, spread: bool = False):
+async def full_home(clock, *, spread: bool = False, age: float | None = 0.5):
     """Two backends of limit 8: SYSTEM's home full (8 running), the other with 4 and a free
     slot (holding SYSTEM too when ``spread``). (admission, home, elsewhere)"""
     a, b = measured("A", clock, limit=8), measured("B", clock, limit=8)
-    adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=0.5, load_factor=2.0)
+    adm = queue_of([a, b], clock, lookahead=4, lookahead_age_s=age, load_factor=2.0)
     first = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
     home = first.backend
     elsewhere = b if home is a else a
@@ -367,6 +367,28 @@ async def test_a_request_waits_for_its_full_home_when_a_miss_elsewhere_costs_mor
     adm.wake()
     await settle()
     assert late.done() and late.result().backend is elsewhere
+
+
+async def test_a_request_stops_waiting_for_its_home_once_lookahead_requests_went_first():
+    clock = FakeClock()
+    adm, _, elsewhere = await full_home(clock, age=None)
+    again = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30))))
+    await settle()
+    assert not again.done()  # it holds out for its full home
+    behind = []
+    for i in range(4):  # unique prompts behind it take the free slots elsewhere, one by one
+        prompt = adm.prefix.prompt({"prompt": f"unique prompt number {i} " * 10})
+        behind.append(asyncio.create_task(adm.acquire(prompt=prompt)))
+        await settle()
+        adm.wake()
+        await settle()
+    assert all(t.done() for t in behind) and not again.done()
+    assert elsewhere.in_flight == 8  # they filled the other backend
+    elsewhere.in_flight -= 1  # one of them ends
+    adm.wake()
+    await settle()
+    # four (= lookahead) went before it: it takes the free slot, though its home is full
+    assert again.done() and again.result().backend is elsewhere
 
 
 async def test_a_request_does_not_wait_for_its_home_when_a_free_backend_holds_the_prefix_too():
@@ -410,6 +432,40 @@ async def test_the_head_is_not_passed_over_past_its_age_bound():
     assert fits.done()
     head.result().release()
     fits.result().release()
+
+
+async def test_the_head_is_passed_over_at_most_lookahead_times_however_long_it_waited():
+    """No age bound: a queue whose waits are seconds long (every waiter old) still binds by
+    prefix, and the head goes first once ``lookahead`` later requests went before it."""
+    clock = FakeClock()
+    a, b = measured("A", clock, limit=1), measured("B", clock, limit=1)
+    adm = queue_of([a, b], clock, lookahead=2)
+    other = "Another tenant's system prompt. " * 20
+    la = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
+    lb = await adm.acquire(prompt=adm.prefix.prompt(group(other, "first " * 20)))
+    head = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(other, "q " * 30))))
+    await settle()
+    fits = []
+    for i in range(3):
+        prompt = adm.prefix.prompt(group(SYSTEM, f"question {i} " * 10))
+        fits.append(asyncio.create_task(adm.acquire(prompt=prompt)))
+        await settle()
+    clock.advance(100.0)  # every waiter is old: age alone decides nothing
+    lease = la
+    for i in range(2):  # A frees twice: each time a later waiter whose prefix A holds goes
+        lease.release()
+        await settle()
+        assert fits[i].done() and not head.done()
+        lease = fits[i].result()
+        assert lease.backend is a
+    lease.release()  # passed over twice (= lookahead): the head goes, though A fits fits[2]
+    await settle()
+    assert head.done() and head.result().backend is a and not fits[2].done()
+    lb.release()
+    await settle()
+    assert fits[2].done()
+    head.result().release()
+    fits[2].result().release()
 
 
 async def test_lookahead_never_lets_batch_pass_interactive():
