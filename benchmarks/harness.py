@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from proxy.limits import LimitSettings
-from proxy.policies import RoutingSettings
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -358,7 +357,7 @@ def proxy_toml(
     """Proxy configuration TOML for `backends` ({name, url, parallelism, pp_size, ...}).
 
     Durations that pace the proxy (observation windows, the limits' probe interval, scrape
-    and health intervals, ejection, retry backoff, the prefix lookahead's age bound) are scaled
+    and health intervals, ejection, retry backoff) are scaled
     by `time_scale`, so that they stay one modelled second (etc.) against a simulator running at
     that scale. `sections` (server=, queue=, limits=, health=, timeouts=, retries=, scrape=,
     ...) override or add keys, given in wall seconds."""
@@ -366,8 +365,7 @@ def proxy_toml(
     base: dict[str, dict[str, Any]] = {
         "server": {"host": HOST, "port": port or free_port(), "shutdown_grace_s": 1,
                    "drain_s": 0, "log_level": "warning"},
-        "routing": {"policy": policy,
-                    "prefix_lookahead_age_s": RoutingSettings().prefix_lookahead_age_s * ts},
+        "routing": {"policy": policy},
         "limits": {"window_s": 1.0 * ts, "max_window_s": 5.0 * ts,
                    "probe_every_s": LimitSettings().probe_every_s * ts},
         "scrape": {"interval_s": max(1.0 * ts, 0.05)},

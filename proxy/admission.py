@@ -28,11 +28,11 @@ than the miss (``_holds_for_home``). And a freed slot may go past the head of a 
 backend the head would be bound to, unless it is the head's home, takes of the first
 ``lookahead`` waiters of that class one whose home it is, else the one whose prompt it holds
 most of (by the index), if that one holds more than the head's. Fairness: FIFO within a
-class otherwise; a waiter later requests went before ``lookahead`` times is not passed over
-again and no longer holds out for its home (so no one waits more than ``lookahead`` requests
-longer than FIFO would make it, however deep the queue and long the wait; ``lookahead_age_s``,
-if set, also bounds it in time); a batch never goes before an interactive request; a head of
-many sequences is not passed.
+class otherwise; a waiter later requests went before ``lookahead`` times per backend is not
+passed over again and no longer holds out for its home (so no one waits more than that many
+requests longer than FIFO would make it, however deep the queue and long the wait;
+``lookahead_age_s``, if set, also bounds it in time); a batch never goes before an interactive
+request; a head of many sequences is not passed.
 
 Every rejection is counted by reason. ``lease.release()`` is idempotent; it frees the slot and
 hands it to the next waiter. ``admission.wake()`` re-runs dispatch after backends, health or
@@ -536,7 +536,7 @@ class Admission:
         its prefix's home (proxy/prefix.py), within its load bound, when the wait for a slot
         there is expected to cost less than the miss elsewhere (``PrefixRouting.worth_waiting``;
         ``holding``: how many wait for each home already, unknown for an arrival: then every
-        waiter counts). Not once later requests went before it ``lookahead`` times
+        waiter counts). Not once later requests went before it ``lookahead`` times per backend
         (``PrefixRouting.may_pass``; ``passed``), never more than ``lookahead`` holders for one
         home: a hot prefix still spreads."""
         prefix = self.prefix
@@ -545,7 +545,7 @@ class Admission:
             or prompt is None
             or seqs > 1
             or prefix.lookahead <= 1
-            or not prefix.may_pass(passed, waited)
+            or not prefix.may_pass(passed, waited, len(backends))
             or (holding is None and self.depth >= prefix.lookahead)
         ):
             return None
@@ -630,7 +630,7 @@ class Admission:
             or prefix.lookahead <= 1
             or w.prompt is None
             or w.seqs > 1
-            or not prefix.may_pass(w.passed, now - w.enqueued)
+            or not prefix.may_pass(w.passed, now - w.enqueued, len(backends))
         ):
             return False
         cands = self._free(backends, w.exclude, 1)

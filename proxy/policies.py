@@ -83,14 +83,15 @@ class RoutingSettings(BaseModel):
         8,
         ge=1,
         description="prefix affinity: a freed slot may go to the best-matching of this many "
-        "oldest waiters of the first class waiting, and no waiter is passed over more often "
-        "(1: strict FIFO)",
+        "oldest waiters of the first class waiting, and no waiter is passed over more than "
+        "this many times per backend (1: strict FIFO)",
     )
     prefix_lookahead_age_s: float | None = Field(
         None,
         ge=0,
         description="prefix affinity: also never pass over a waiter that waited this long "
-        "(default: none; later requests go before a waiter at most prefix_lookahead times)",
+        "(default: none; later requests go before a waiter at most prefix_lookahead times per "
+        "backend)",
     )
 
 

@@ -353,13 +353,16 @@ class PrefixRouting:
     def prompt(self, obj: dict[str, Any] | None) -> Prompt | None:
         return prompt_of(obj, self.block_chars)
 
-    def may_pass(self, passed: int, waited: float) -> bool:
-        """Whether a waiter later requests went before ``passed`` times (and that waited
-        ``waited`` s) may be passed over again, or hold out for its prefix's home: at most
-        ``lookahead`` times, so that no one waits more than ``lookahead`` requests longer than
-        FIFO would make it, at any queue depth and time scale (and, if ``lookahead_age_s`` is
-        set, never once it waited that long)."""
-        if passed >= self.lookahead:
+    def may_pass(self, passed: int, waited: float, fleet: int) -> bool:
+        """Whether a waiter that later requests went before ``passed`` times (and that waited
+        ``waited`` s) may be passed over again, or hold out for its prefix's home, in a fleet of
+        ``fleet`` backends. Up to ``lookahead`` waiters hold out for one home, each for a slot
+        there, and about one bind in ``fleet`` frees a given backend: so ``lookahead`` times
+        ``fleet`` passes, about what it takes for the home to free a slot for each of them.
+        No one waits more than that many requests longer than FIFO would make it, at any queue
+        depth and time scale (and, if ``lookahead_age_s`` is set, never once it waited that
+        long)."""
+        if passed >= self.lookahead * max(fleet, 1):
             return False
         return self.lookahead_age_s is None or waited < self.lookahead_age_s
 

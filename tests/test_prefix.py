@@ -369,25 +369,23 @@ async def test_a_request_waits_for_its_full_home_when_a_miss_elsewhere_costs_mor
     assert late.done() and late.result().backend is elsewhere
 
 
-async def test_a_request_stops_waiting_for_its_home_once_lookahead_requests_went_first():
+async def test_a_request_stops_holding_out_for_its_home_once_lookahead_per_backend_went_first():
     clock = FakeClock()
     adm, _, elsewhere = await full_home(clock, age=None)
     again = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30))))
     await settle()
-    assert not again.done()  # it holds out for its full home
-    behind = []
-    for i in range(4):  # unique prompts behind it take the free slots elsewhere, one by one
+    bound = adm.prefix.lookahead * 2  # two backends
+    for i in range(bound):  # unique prompts behind it take a free slot elsewhere, one by one
+        assert not again.done()  # it holds out for its full home
         prompt = adm.prefix.prompt({"prompt": f"unique prompt number {i} " * 10})
-        behind.append(asyncio.create_task(adm.acquire(prompt=prompt)))
+        behind = asyncio.create_task(adm.acquire(prompt=prompt))
         await settle()
         adm.wake()
         await settle()
-    assert all(t.done() for t in behind) and not again.done()
-    assert elsewhere.in_flight == 8  # they filled the other backend
-    elsewhere.in_flight -= 1  # one of them ends
-    adm.wake()
-    await settle()
-    # four (= lookahead) went before it: it takes the free slot, though its home is full
+        assert behind.done() and behind.result().backend is elsewhere
+        behind.result().release()
+        await settle()
+    # that many went before it: it takes a free slot elsewhere now, though its home is full
     assert again.done() and again.result().backend is elsewhere
 
 
@@ -434,38 +432,39 @@ async def test_the_head_is_not_passed_over_past_its_age_bound():
     fits.result().release()
 
 
-async def test_the_head_is_passed_over_at_most_lookahead_times_however_long_it_waited():
+async def test_the_head_is_passed_over_at_most_lookahead_times_per_backend_however_long_it_waited():
     """No age bound: a queue whose waits are seconds long (every waiter old) still binds by
-    prefix, and the head goes first once ``lookahead`` later requests went before it."""
+    prefix, and the head goes first once ``lookahead`` x backends later requests went first."""
     clock = FakeClock()
     a, b = measured("A", clock, limit=1), measured("B", clock, limit=1)
     adm = queue_of([a, b], clock, lookahead=2)
+    bound = 2 * 2  # lookahead x two backends
     other = "Another tenant's system prompt. " * 20
     la = await adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "first " * 20)))
     lb = await adm.acquire(prompt=adm.prefix.prompt(group(other, "first " * 20)))
     head = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(other, "q " * 30))))
     await settle()
     fits = []
-    for i in range(3):
+    for i in range(bound + 1):
         prompt = adm.prefix.prompt(group(SYSTEM, f"question {i} " * 10))
         fits.append(asyncio.create_task(adm.acquire(prompt=prompt)))
         await settle()
     clock.advance(100.0)  # every waiter is old: age alone decides nothing
     lease = la
-    for i in range(2):  # A frees twice: each time a later waiter whose prefix A holds goes
+    for i in range(bound):  # each time A frees, a later waiter whose prefix A holds goes
         lease.release()
         await settle()
         assert fits[i].done() and not head.done()
         lease = fits[i].result()
         assert lease.backend is a
-    lease.release()  # passed over twice (= lookahead): the head goes, though A fits fits[2]
+    lease.release()  # passed over `bound` times: the head goes, though A fits the next one
     await settle()
-    assert head.done() and head.result().backend is a and not fits[2].done()
+    assert head.done() and head.result().backend is a and not fits[bound].done()
     lb.release()
     await settle()
-    assert fits[2].done()
+    assert fits[bound].done()
     head.result().release()
-    fits[2].result().release()
+    fits[bound].result().release()
 
 
 async def test_lookahead_never_lets_batch_pass_interactive():
