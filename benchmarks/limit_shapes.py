@@ -61,11 +61,10 @@ Exit status 0 whatever the verdict (it is a measurement).
 
 Cost: simulated tokens and passes, not modelled seconds, take the time. ``Durations`` and the
 generator's affordability bounds (``loadtest.sim.shapes.MAX_TOKENS_PER_S``, ...) are set so
-that the accept split (~3.3x the tune split's work) took about 15 minutes on 2 idle cores
-judged on one seed, about 2.5x that on the default two (judged on one seed, the tune split
-took 546 CPU-s; 9 minutes on 2 cores shared at load average 5, so ~30 for
-accept on such a machine); long answers at high capacity cost most (the window is counted in
-request lifetimes).
+that the accept split (~3.3x the tune split's work) takes about 34 minutes on 2 idle cores
+judged on the default two seeds (seeds 4000-4199: 2019 s wall, 4035 CPU-s; ~15 minutes when
+each case was judged on its own seed); long answers at high capacity cost most (the window is
+counted in request lifetimes).
 """
 
 from __future__ import annotations
@@ -480,11 +479,12 @@ def _case(task: tuple[int, int, int]) -> dict[str, Any]:
     return run_case(generate_shape(seed), clients, seeds=seeds)
 
 
-def _cost(shape: Shape, clients: int) -> float:
-    """Rough simulated tokens of a case: to start the longest cases first."""
+def _cost(shape: Shape, clients: int, seeds: int) -> float:
+    """Rough simulated tokens of a case judged on ``seeds`` seeds: to start the longest cases
+    first."""
     p = plan(shape, clients, Durations())
     rate = shape.est.tokens_per_s * min(1.0, clients / shape.est.capacity)
-    judged = 3 * EVAL_SEEDS * (p.adaptive_warmup_s + p.measure_s)
+    judged = 3 * seeds * (p.adaptive_warmup_s + p.measure_s)
     return rate * (judged + 8 * (p.fixed_warmup_s + p.measure_s))
 
 
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     shapes = {s: generate_shape(s) for s in seeds}
     tasks = [(s, c, args.eval_seeds) for s in seeds for c in client_levels(shapes[s])]
-    tasks.sort(key=lambda t: _cost(shapes[t[0]], t[1]), reverse=True)
+    tasks.sort(key=lambda t: _cost(shapes[t[0]], t[1], t[2]), reverse=True)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with multiprocessing.Pool(args.jobs) if args.jobs > 1 else _Inline() as pool:
