@@ -354,9 +354,11 @@ class Admission:
         else:
             self._queues[priority][key] = waiter
         self.queued_total[priority] += 1
-        self._note_waiters()
         timeout = self.queue_deadline_s if deadline is None else max(deadline, 0.0)
         waiter.timer = loop.call_later(timeout, self._expire, priority, key)
+        # A slot may be free: the waiters ahead hold out for their prefix's home, or this one
+        # does. Hand out now, as a release would, rather than at the next release or tick.
+        self._dispatch(self._backends(), now)
         try:
             return await waiter.fut
         except asyncio.CancelledError:

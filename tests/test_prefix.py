@@ -486,3 +486,23 @@ async def test_lookahead_never_lets_batch_pass_interactive():
     await settle()
     assert batch.done()
     batch.result().release()
+
+
+async def test_an_arrival_behind_a_waiter_holding_out_takes_a_free_slot_at_once():
+    """A waiter holds out for its full home while the other backend has a free slot: a unique
+    prompt arriving behind it is bound there at once, not at the next release or tick."""
+    clock = FakeClock()
+    adm, home, elsewhere = await full_home(clock, age=None)
+    held = asyncio.create_task(adm.acquire(prompt=adm.prefix.prompt(group(SYSTEM, "q " * 30))))
+    await settle()
+    assert not held.done() and adm.depth == 1
+    prompt = adm.prefix.prompt({"prompt": "a unique prompt, nothing like it cached " * 4})
+    behind = asyncio.create_task(adm.acquire(prompt=prompt))
+    await settle()  # no release, no wake, no tick
+    assert behind.done() and behind.result().backend is elsewhere
+    assert not held.done() and adm.depth == 1
+    behind.result().release()
+    home.in_flight -= 1
+    adm.wake()
+    await settle()
+    assert held.done() and held.result().backend is home
