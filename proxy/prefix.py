@@ -60,7 +60,7 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
-from proxy.routed import Routed
+from proxy.routed import Routed, busy_share
 
 _T = TypeVar("_T")
 
@@ -237,6 +237,11 @@ class PrefixIndex:
         return len(self._map)
 
     @property
+    def max_sent(self) -> int:
+        """Entries of the last-sent map at most (its bytes are counted in ``ENTRY_BYTES``)."""
+        return max(self.max_entries // SENT_SHARE, 1)
+
+    @property
     def bytes(self) -> int:
         return len(self._map) * ENTRY_BYTES
 
@@ -263,7 +268,7 @@ class PrefixIndex:
         key = _sent_key(prompt, bp)
         sent[key] = self._seq
         sent.move_to_end(key)
-        if len(sent) > max(self.max_entries // SENT_SHARE, 1):
+        if len(sent) > self.max_sent:
             sent.popitem(last=False)
 
     def report(
@@ -288,6 +293,8 @@ class PrefixIndex:
             "bytes": self.bytes,
             "max_bytes": self.max_bytes,
             "evicted": self.evicted,
+            "last_sent_entries": len(self._sent),
+            "last_sent_max": self.max_sent,
             "backends": {n: bp.snapshot() for n, bp in self.backends.items()},
         }
 
@@ -405,8 +412,8 @@ class PrefixRouting:
             return b, matched.get(b.name, 0)
         pool = [s.backend for s in near if self._within(s.backend, fleet)]
         pool = pool or [s.backend for s in near]
-        least = min(_busy(b) for b in pool)
-        b = rendezvous(prompt.hashes[0], [b for b in pool if _busy(b) == least])
+        least = min(busy_share(b) for b in pool)
+        b = rendezvous(prompt.hashes[0], [b for b in pool if busy_share(b) == least])
         return b, matched.get(b.name, 0)
 
     def home(self, prompt: Prompt, backends: Sequence[Routed]) -> Routed | None:
@@ -476,12 +483,6 @@ class PrefixRouting:
         self, name: str, predicted: float, prompt_tokens: int | None, cached_tokens: int
     ) -> None:
         self.index.report(name, predicted, prompt_tokens, cached_tokens)
-
-
-def _busy(b: Routed) -> float:
-    """The share of its limit ``b`` has in flight: zero on every idle backend, whatever its
-    limit, so an idle fleet ties and the hash spreads new groups."""
-    return b.in_flight / max(b.limit.limit, 1)
 
 
 def _longest_holders(held: Sequence[tuple[Routed, int]]) -> list[Routed]:

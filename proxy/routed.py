@@ -22,8 +22,16 @@ class Routed(Protocol):
 
 
 def relative_load(b: Routed) -> float:
-    """In flight with one more, for the backend's limit: how full one more request leaves it."""
+    """In flight with one more, for the backend's limit: how full one more request leaves it
+    (the latency policy's tie-break: of two idle backends, the one with the larger limit)."""
     return (b.in_flight + 1) / max(b.limit.limit, 1)
+
+
+def busy_share(b: Routed) -> float:
+    """The share of its limit ``b`` has in flight now: zero on every idle backend, whatever its
+    limit, so that an idle fleet ties (prefix routing spreads new groups by their hash there,
+    not onto the backend whose limit grew first)."""
+    return b.in_flight / max(b.limit.limit, 1)
 
 
 class Scraped(Protocol):

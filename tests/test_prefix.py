@@ -16,7 +16,14 @@ from adapt_fakes import FakeBackend, FakeClock
 
 from proxy.admission import Admission
 from proxy.policies import Latency, RoutingSettings, make_policy, make_prefix_routing
-from proxy.prefix import ENTRY_BYTES, PrefixIndex, PrefixRouting, prompt_of, routing_text
+from proxy.prefix import (
+    ENTRY_BYTES,
+    SENT_SHARE,
+    PrefixIndex,
+    PrefixRouting,
+    prompt_of,
+    routing_text,
+)
 
 BLOCK = 64
 SYSTEM = "You are a careful assistant. " * 20  # ~580 chars: 9 blocks shared by a group
@@ -131,6 +138,8 @@ def test_index_memory_measured_stays_within_its_cap(cap_mib):
     tracemalloc.stop()
     used = sum(s.size_diff for s in after.compare_to(before, "filename"))
     assert idx.entries == idx.max_entries and idx.bytes <= cap
+    snap = idx.snapshot()  # the last-sent map (one entry per prompt here) is bounded too
+    assert snap["last_sent_entries"] == snap["last_sent_max"] == idx.max_entries // SENT_SHARE
     assert used <= cap, f"{used} bytes measured for a cap of {cap}"
     assert used >= 0.5 * cap  # ENTRY_BYTES is no wild overestimate either
 
