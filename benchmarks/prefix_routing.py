@@ -26,10 +26,9 @@ Workloads (closed loop, chat API, one level of ``--concurrency`` clients):
 
 The simulators run in real time (``--time-scale 1.0``): sped up (0.25), four simulators, the
 load generator and a Python front end overcommit two cores (load average ~2.5), and whatever CPU
-a front end takes shows as backend latency (pool96k shared-prefix: pipefill's TTFT
-p50 0.33 s at 0.25 (median of two runs) against 0.07 s at 1.0 (one run), sglang-router
-``cache_aware``'s 0.27 s against 0.10 s;
-load average ~1.1 at 1.0).
+a front end takes shows as backend latency (pool96k shared-prefix: pipefill's TTFT p50 0.33 s
+at 0.25, the median of two runs, against 0.07 s at 1.0 in one run; sglang-router
+``cache_aware``'s 0.27 s against 0.10 s; load average ~1.1 at 1.0).
 
 Reported per (workload, front end): output tok/s, TTFT p50/p99, E2E p99 (modelled seconds, the
 loadtest window), and the cache hit rate twice: what the responses said (the loadtest's
