@@ -35,6 +35,10 @@ NDJSON_APIS: frozenset[str] = frozenset({"ollama_chat", "ollama_generate"})
 
 DONE = b"[DONE]"
 
+#: the bytes that may change what surrounds them in a JSON string's text (quote, backslash,
+#: control characters); text without them is plain (UTF-8 validity is checked apart)
+_NOT_PLAIN = b'"\\' + bytes(range(0x20))
+
 
 #: what :meth:`SSEFramer.feed` yields in place of an event larger than its bound (no JSON reader
 #: accepts it: TokenCounter counts it as malformed)
@@ -208,6 +212,15 @@ class TokenCounter:
     ``input_tokens_details.cached_tokens``), ``chunk_tokens`` is what the events added up to,
     ``error`` holds an in-stream error object and ``done`` tells whether ``[DONE]`` arrived.
 
+    Most events of an OpenAI stream are the previous one with other text in it, and the relay
+    peeks at every event of every stream on one event loop, so a JSON parse per event is most
+    of what relaying an event costs. After an event that carried one token and nothing else
+    (no finish reason, no usage count, no error), its bytes around the text are kept as the
+    stream's *shape*; an event that is those same bytes around other non-empty plain text
+    (no quote, backslash or control character, valid UTF-8) parses to that same object with
+    only the text changed, so it is counted as one token without parsing. Anything else
+    (another ``created`` second, a finish, usage, logprobs) is parsed as before.
+
     An event of a shape SGLang does not send (``{"choices": 5}``, a ``delta`` that is not an
     object, a ``/generate`` ``index`` that is not an integer, ...) counts in ``malformed`` and
     carries no token; it never raises.
@@ -225,9 +238,15 @@ class TokenCounter:
     events: int = 0
     malformed: int = 0
     _per_index: dict[int, int] = field(default_factory=dict)
+    #: (bytes before, bytes after) the text of the last event that carried one plain token
+    _shape: tuple[bytes, bytes] | None = None
 
     def observe(self, payload: bytes) -> int:
         self.events += 1
+        shape = self._shape
+        if shape is not None and _same_shape(payload, shape):
+            self.chunk_tokens += 1
+            return 1
         if not payload:  # OVERSIZED, or an empty data field: nothing SGLang sends
             self.malformed += 1
             return 0
@@ -255,7 +274,7 @@ class TokenCounter:
             return self._observe_responses(obj)
         if api in NDJSON_APIS:
             return self._observe_ollama(obj)
-        return self._observe_openai(obj)
+        return self._observe_openai(obj, payload)
 
     def _count(self, carries: bool) -> int:
         """One token for an event that carries text (the final usage reconciles the total)."""
@@ -350,7 +369,7 @@ class TokenCounter:
         self.chunk_tokens += new
         return new
 
-    def _observe_openai(self, obj: dict) -> int:
+    def _observe_openai(self, obj: dict, payload: bytes) -> int:
         choices = obj.get("choices") or []
         if not isinstance(choices, list):
             self.malformed += 1
@@ -389,8 +408,60 @@ class TokenCounter:
                 new = max(self.completion_tokens - previous, 1)
         elif carries:
             new = 1
+            if not self.finish_reason and "error" not in obj:
+                self._shape = _shape_of(payload, self.api, choices[0])
         self.chunk_tokens += new
         return new
+
+
+def _shape_of(payload: bytes, api: Api, choice: dict) -> tuple[bytes, bytes] | None:
+    """``payload``'s bytes before and after the text that made ``choice`` carry a token (chat:
+    ``delta.content`` or ``delta.reasoning_content``; completions: ``text``), if that text is
+    plain and appears in it once."""
+    if api == "chat":
+        delta = choice.get("delta") or {}
+        names = ("content", "reasoning_content")
+    elif api == "completions":
+        delta, names = choice, ("text",)
+    else:
+        return None
+    for name in names:
+        text = delta.get(name)
+        if isinstance(text, str) and text:
+            break
+    else:
+        return None
+    raw = text.encode()
+    if not _plain(raw):
+        return None
+    needle = b'"%s":"%s"' % (name.encode(), raw)
+    at = payload.find(needle)
+    if at < 0 or payload.find(needle, at + 1) >= 0:
+        return None
+    start = at + len(name) + 4  # past '"name":"'
+    return payload[:start], payload[start + len(raw) :]
+
+
+def _same_shape(payload: bytes, shape: tuple[bytes, bytes]) -> bool:
+    """Is ``payload`` the shape's bytes around other non-empty plain text?"""
+    head, tail = shape
+    end = len(payload) - len(tail)
+    if end <= len(head) or not payload.startswith(head) or not payload.endswith(tail):
+        return False
+    return _plain(payload[len(head) : end])
+
+
+def _plain(text: bytes) -> bool:
+    """Is ``text`` valid UTF-8 with no byte of ``_NOT_PLAIN`` (the same JSON string whatever
+    surrounds it)?"""
+    if len(text.translate(None, _NOT_PLAIN)) != len(text):
+        return False
+    if not text.isascii():
+        try:
+            text.decode()
+        except UnicodeDecodeError:
+            return False
+    return True
 
 
 def _is_int(x: object) -> bool:

@@ -101,6 +101,17 @@ class DecayingEwma:
             )
         self._stamp = now
 
+    def observe_sum(self, total: float, n: int, now: float) -> None:
+        """``n`` samples adding up to ``total``, all at ``now`` (not with ``peak``): the same
+        weighted mean as observing them one by one."""
+        if self.value is None:
+            self.value, self._weight = total / n, float(n)
+        else:
+            kept = self._weight * math.exp(-max(now - self._stamp, 0.0) / self.tau)
+            self._weight = kept + n
+            self.value = (self.value * kept + total) / self._weight
+        self._stamp = now
+
     def faded(self, since: float, now: float) -> float | None:
         """The value decayed toward zero for the time since ``since`` or the last sample,
         whichever is later: an estimate nothing has refreshed loses its weight (tower's and
@@ -138,6 +149,18 @@ class DecayingSlope:
         self._sxx = self._sxx * d + x * x
         self._sxy = self._sxy * d + x * y
 
+    def observe_sums(
+        self, n: int, sx: float, sy: float, sxx: float, sxy: float, now: float
+    ) -> None:
+        """``n`` samples at ``now`` given by their sums (x, y, x*x, x*y)."""
+        d = math.exp(-max(now - self._stamp, 0.0) / self.tau)
+        self._stamp = now
+        self._s0 = self._s0 * d + n
+        self._sx = self._sx * d + sx
+        self._sy = self._sy * d + sy
+        self._sxx = self._sxx * d + sxx
+        self._sxy = self._sxy * d + sxy
+
     @property
     def slope(self) -> float | None:
         if self._s0 < 2.0:
@@ -153,30 +176,94 @@ class DecayingSlope:
         self._stamp = 0.0
 
 
-class RateMeter:
-    """Events per second over a sliding horizon, in fixed buckets (tokens/s, completions/s)."""
+class ItlModel:
+    """Inter-token latency as routing reads it: its time-decayed mean (``ewma``), the
+    in-flight count it was measured at (``load``), and how it grows with that count
+    (``slope``, over a six times longer horizon: the load must have varied for one to show).
 
-    __slots__ = ("_buckets", "_n", "_width")
+    A sample comes with every relayed token event, hundreds per decode step, on the relay's
+    hot path; samples are summed as they arrive and folded into the estimates when one is
+    read (``fold``). Samples folded together count as arriving at the last one's time: they
+    are at most milliseconds apart, the estimates' horizons are seconds.
+    """
+
+    __slots__ = ("_at", "_n", "_x", "_xx", "_xy", "_y", "ewma", "load", "slope")
+
+    def __init__(self, tau: float) -> None:
+        self.ewma = DecayingEwma(tau)
+        self.load = DecayingEwma(tau)
+        self.slope = DecayingSlope(tau * 6)
+        self._clear()
+
+    def add(self, itl: float, in_flight: float, now: float) -> None:
+        self._n += 1
+        self._y += itl
+        self._x += in_flight
+        self._xx += in_flight * in_flight
+        self._xy += in_flight * itl
+        self._at = now
+
+    def fold(self) -> None:
+        n = self._n
+        if n:
+            at = self._at
+            self.ewma.observe_sum(self._y, n, at)
+            self.load.observe_sum(self._x, n, at)
+            self.slope.observe_sums(n, self._x, self._y, self._xx, self._xy, at)
+            self._clear()
+
+    def reset(self) -> None:
+        self.ewma.reset()
+        self.load.reset()
+        self.slope.reset()
+        self._clear()
+
+    def _clear(self) -> None:
+        self._n = 0
+        self._y = self._x = self._xx = self._xy = self._at = 0.0
+
+
+class RateMeter:
+    """Events per second over a sliding horizon, in fixed buckets (tokens/s, completions/s).
+
+    The bucket being filled is kept apart (``_key``, its time span, ``_cur``): a token event
+    lands in it with one comparison, and it joins the others when time leaves it or a rate
+    is read."""
+
+    __slots__ = ("_buckets", "_cur", "_hi", "_key", "_lo", "_n", "_width")
 
     def __init__(self, horizon_s: float = 10.0, buckets: int = 20) -> None:
         self._n = buckets
         self._width = horizon_s / buckets
         self._buckets: dict[int, float] = {}
+        self._key = 0
+        self._lo = self._hi = self._cur = 0.0
 
     def add(self, amount: float, now: float) -> None:
+        if self._lo <= now < self._hi:
+            self._cur += amount
+            return
+        self._flush()
         key = int(now // self._width)
-        self._buckets[key] = self._buckets.get(key, 0.0) + amount
+        self._key, self._lo, self._hi = key, key * self._width, (key + 1) * self._width
+        self._cur = amount
         if len(self._buckets) > self._n + 2:
             oldest = key - self._n
             for k in [k for k in self._buckets if k <= oldest]:
                 del self._buckets[k]
 
     def rate(self, now: float) -> float:
+        self._flush()
         key = int(now // self._width)
         lo = key - self._n + 1
         total = sum(v for k, v in self._buckets.items() if lo <= k <= key)
         span = self._n * self._width
         return total / span
+
+    def _flush(self) -> None:
+        if self._cur:
+            self._buckets[self._key] = self._buckets.get(self._key, 0.0) + self._cur
+            self._cur = 0.0
 
 
 @dataclass(slots=True)
@@ -237,11 +324,7 @@ class BackendStats:
         self.error_penalty_s = error_penalty_s
         # routing estimates
         self.ttft_ewma = DecayingEwma(decay_s, peak=True)
-        self.itl_ewma = DecayingEwma(decay_s)
-        # in flight when those ITL samples were taken, and how ITL grows with it (over a longer
-        # horizon: the load must have varied for a slope to show)
-        self.itl_load_ewma = DecayingEwma(decay_s)
-        self.itl_slope = DecayingSlope(decay_s * 6)
+        self.itl_model = ItlModel(decay_s)
         self.output_tokens_ewma = DecayingEwma(decay_s * 3)
         self._tokens_rate = RateMeter(horizon_s=decay_s)
         self._completion_rate = RateMeter(horizon_s=decay_s)
@@ -298,9 +381,7 @@ class BackendStats:
         if tokens <= 0:
             return
         now = self._clock() if now is None else now
-        self.itl_ewma.observe(seconds_per_token, now)
-        self.itl_load_ewma.observe(self._in_flight, now)
-        self.itl_slope.observe(self._in_flight, seconds_per_token, now)
+        self.itl_model.add(seconds_per_token, self._in_flight, now)
         w = self._win
         w.itl_sum += seconds_per_token * tokens
         w.itl_tokens += tokens
@@ -479,9 +560,7 @@ class BackendStats:
         room), so the returned backend counts as unmeasured and is probed first."""
         self._restart_pending = True
         self.ttft_ewma.reset()
-        self.itl_ewma.reset()
-        self.itl_load_ewma.reset()
-        self.itl_slope.reset()
+        self.itl_model.reset()
 
     # ---- read side ---------------------------------------------------------------------
 
@@ -493,7 +572,8 @@ class BackendStats:
     @property
     def itl(self) -> float | None:
         """EWMA inter-token latency, seconds per token, faded while idle."""
-        return self._estimate(self.itl_ewma)
+        self.itl_model.fold()
+        return self._estimate(self.itl_model.ewma)
 
     def _estimate(self, ewma: DecayingEwma) -> float | None:
         """A routing estimate as of now. While none of our requests is on the backend nothing
@@ -508,7 +588,8 @@ class BackendStats:
         """Expected ITL with ``in_flight`` requests: the current EWMA moved along the measured
         slope from the load it was measured at (no slope yet, or a negative one: the EWMA).
         Kept within [1/2, 2] x the EWMA: the fit is local, not a model of the engine."""
-        itl, load, slope = self.itl, self.itl_load_ewma.value, self.itl_slope.slope
+        itl, model = self.itl, self.itl_model  # (folded by ``itl``)
+        load, slope = model.load.value, model.slope.slope
         if itl is None or load is None or slope is None or slope <= 0:
             return itl
         return min(2.0 * itl, max(0.5 * itl, itl + slope * (in_flight - load)))

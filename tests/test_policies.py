@@ -110,7 +110,9 @@ def test_latency_exact_ties_spread():
     b = measured("b", ttft=0.1, itl=0.02)
     # Same clock-free numbers: identical estimates -> rotation spreads them.
     b.stats.ttft_ewma.value = a.stats.ttft_ewma.value
-    b.stats.itl_ewma.value = a.stats.itl_ewma.value
+    a.stats.itl_model.fold()
+    b.stats.itl_model.fold()
+    b.stats.itl_model.ewma.value = a.stats.itl_model.ewma.value
     lat = make_policy("latency")
     assert {lat.pick([a, b]).name for _ in range(4)} == {"a", "b"}
 

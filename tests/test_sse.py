@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import proxy.sse as sse
 from proxy.sse import OVERSIZED, SSEFramer, TokenCounter
 
 
@@ -132,3 +133,138 @@ def test_framer_skips_events_over_its_bound_and_keeps_framing(sizes, cuts, crlf)
     assert got == expected
     assert framer.oversized == expected.count(OVERSIZED)
     assert framer.pending == b""
+
+
+def _sglang_chunk(text: str | None, *, created: int = 1733000000, finish=None, usage=None) -> bytes:
+    """A chunk as SGLang serialises it (pydantic, compact): every field, nulls included."""
+    return orjson.dumps(
+        {
+            "id": "abc",
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": None, "content": text, "reasoning_content": None},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "matched_stop": None,
+                }
+            ],
+            "usage": usage,
+        }
+    )
+
+
+def _state(counter: TokenCounter) -> tuple:
+    return (
+        counter.chunk_tokens,
+        counter.completion_tokens,
+        counter.prompt_tokens,
+        counter.finish_reason,
+        counter.error,
+        counter.done,
+        counter.events,
+        counter.malformed,
+    )
+
+
+def _observe_all(counter: TokenCounter, payloads: list[bytes]) -> list[int]:
+    return [counter.observe(p) for p in payloads]
+
+
+#: text a token can be, with what could break a byte-level reading: quotes, backslashes,
+#: control characters, a forged rest of the chunk, invalid UTF-8, nothing
+_TEXTS = st.one_of(
+    st.text(max_size=6),
+    st.sampled_from(
+        [
+            " word",
+            'x","finish_reason":"stop',
+            'a\\"b',
+            "\n",
+            "é漢",
+            "",
+            '"}],"usage":{"completion_tokens":9}}',
+        ]
+    ),
+)
+_RAW_MIDDLES = st.sampled_from([b"\xff\xfe", b"a\nb", b'a"b', b"ok", b"\xc3\xa9", b""])
+
+
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("text"), _TEXTS),
+            st.tuples(st.just("raw"), _RAW_MIDDLES),
+            st.tuples(st.just("created"), st.integers(0, 3)),
+            st.tuples(st.just("finish"), st.sampled_from(["stop", "length"])),
+            st.tuples(st.just("usage"), st.integers(0, 50)),
+        ),
+        max_size=30,
+    )
+)
+def test_events_counted_from_their_shape_count_as_parsing_every_one_would(steps):
+    """An event read from the bytes around its text (no JSON parse) must leave the counter
+    exactly where parsing it would: whatever the text holds, including bytes spliced in raw
+    between a real chunk's head and tail."""
+    created = 1733000000
+    base = _sglang_chunk("TEXT")
+    head, tail = base.split(b"TEXT")
+    payloads = []
+    for kind, value in steps:
+        if kind == "text":
+            payloads.append(_sglang_chunk(value, created=created))
+        elif kind == "raw":
+            payloads.append(head.replace(b"1733000000", str(created).encode()) + value + tail)
+        elif kind == "created":
+            created += value
+        elif kind == "finish":
+            payloads.append(_sglang_chunk(None, created=created, finish=value))
+        else:
+            payloads.append(
+                _sglang_chunk(None, created=created, usage={"completion_tokens": value})
+            )
+    fast, slow = TokenCounter("chat"), TokenCounter("chat")
+    real = sse._shape_of
+    try:
+        sse._shape_of = lambda *a: None  # the reference: every event parsed
+        expected = _observe_all(slow, payloads)
+    finally:
+        sse._shape_of = real
+    assert _observe_all(fast, payloads) == expected
+    assert _state(fast) == _state(slow)
+
+
+def test_a_stream_of_plain_tokens_is_parsed_once(monkeypatch):
+    """After one plain token event, the events that differ from it only in their plain text
+    are not parsed; one that differs anywhere else (a new ``created`` second, the finish) is."""
+    parsed = []
+    real = sse.orjson.loads
+    monkeypatch.setattr(sse.orjson, "loads", lambda b: parsed.append(b) or real(b))
+    counter = TokenCounter("chat")
+    words = [" a", " bé", " c", "d", " e"]
+    events = [_sglang_chunk(w) for w in words]
+    events += [_sglang_chunk(" f", created=1733000001), _sglang_chunk(" g", created=1733000001)]
+    events += [_sglang_chunk(None, created=1733000001, finish="stop")]
+    assert _observe_all(counter, events) == [1] * 7 + [0]
+    assert counter.chunk_tokens == 7 and counter.finish_reason == "stop"
+    assert len(parsed) == 3  # the first token, the first of the next second, the finish
+
+
+def test_completions_and_reasoning_text_take_the_shape_too(monkeypatch):
+    parsed = []
+    real = sse.orjson.loads
+    monkeypatch.setattr(sse.orjson, "loads", lambda b: parsed.append(b) or real(b))
+    completions = TokenCounter("completions")
+    chunk = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "x"}]}
+    events = []
+    for word in ("one", " two", " three"):
+        chunk["choices"][0]["text"] = word
+        events.append(orjson.dumps(chunk))
+    assert _observe_all(completions, events) == [1, 1, 1]
+    reasoning = TokenCounter("chat")
+    thoughts = [_chat({"content": None, "reasoning_content": w}) for w in ("Hm", " so", " ok")]
+    assert _observe_all(reasoning, thoughts) == [1, 1, 1]
+    assert len(parsed) == 2  # one per stream
