@@ -678,6 +678,9 @@ class Forwarder:
 
     async def _connect(self, origin: Origin) -> Connection:
         """A connection to ``origin`` (pooled, else new within the connect timeout)."""
+        conn = self.upstream.idle(origin)
+        if conn is not None:
+            return conn
         try:
             async with asyncio.timeout(self._t.connect_s):
                 return await self.upstream.connect(origin)
@@ -766,7 +769,7 @@ class Forwarder:
             )
             _note(request, None, tokens)
             bm.duration.observe(time.monotonic() - t_arrive)
-            self.metrics.requests.labels(b.name, route, str(conn.status)).inc()
+            bm.request(route, conn.status).inc()
             return web.Response(status=conn.status, body=data, headers=headers)
         out = web.StreamResponse(status=conn.status, headers=headers)
         length = conn.headers.get("Content-Length")
@@ -786,7 +789,7 @@ class Forwarder:
         except asyncio.CancelledError:
             bm.disconnects.inc()
             bm.duration.observe(monotonic() - t_arrive)
-            self.metrics.requests.labels(b.name, route, str(conn.status)).inc()
+            bm.request(route, conn.status).inc()
             raise
         except UpstreamError as e:
             failure = wd.fired or e.kind
@@ -799,7 +802,7 @@ class Forwarder:
         if failure == CLIENT_STALLED:  # the client went away or stopped reading: not the backend's
             bm.disconnects.inc()
             bm.duration.observe(now - t_arrive)
-            self.metrics.requests.labels(b.name, route, str(conn.status)).inc()
+            bm.request(route, conn.status).inc()
             return out
         if failure is not None:
             if failure != SHUTDOWN:
@@ -816,7 +819,7 @@ class Forwarder:
             _note(request, None, tokens)
             await _last_write(request, stall, out.write_eof())
         bm.duration.observe(monotonic() - t_arrive)
-        self.metrics.requests.labels(b.name, route, str(conn.status)).inc()
+        bm.request(route, conn.status).inc()
         return out
 
     def _completed(
@@ -975,7 +978,7 @@ class Forwarder:
             kind = failure or (None if ok else "stream_error")
             b.stats.observe_completion(ok, kind, now - t_arrive, output_tokens=tokens)
         bm.duration.observe(now - t_arrive)
-        self.metrics.requests.labels(b.name, route, str(status)).inc()
+        bm.request(route, status).inc()
         return tokens
 
 

@@ -88,17 +88,39 @@ class _EventHistograms(Collector):
 
 
 class BackendMetrics:
-    """Cached label children for one backend."""
+    """Cached label children for one backend (a ``labels()`` lookup costs microseconds on
+    every request)."""
 
-    __slots__ = ("disconnects", "duration", "itl", "malformed", "tokens", "ttft")
+    __slots__ = (
+        "_m",
+        "_name",
+        "_requests",
+        "disconnects",
+        "duration",
+        "itl",
+        "malformed",
+        "tokens",
+        "ttft",
+    )
 
     def __init__(self, m: Metrics, name: str) -> None:
+        self._m, self._name = m, name
+        #: pipefill_requests children by (route, status): routes and statuses are few
+        self._requests: dict[tuple[str, int], Any] = {}
         self.duration = m.request_duration.labels(name)
         self.ttft = m.ttft.labels(name)
         self.itl = m.itl.labels(name)
         self.tokens = m.output_tokens.labels(name)
         self.disconnects = m.client_disconnects.labels(name)
         self.malformed = m.malformed_events.labels(name)
+
+    def request(self, route: str, status: int) -> Any:
+        """The pipefill_requests child of this backend, ``route`` and ``status``."""
+        child = self._requests.get((route, status))
+        if child is None:
+            child = self._m.requests.labels(self._name, route, str(status))
+            self._requests[(route, status)] = child
+        return child
 
 
 class _PoolCollector(Collector):

@@ -293,8 +293,9 @@ class UpstreamPool:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._tls: ssl.SSLContext | None = None
 
-    async def connect(self, origin: Origin) -> Connection:
-        """A connection to ``origin``: an idle one, else a new one (bound it with a timeout)."""
+    def idle(self, origin: Origin) -> Connection | None:
+        """A kept-alive connection to ``origin`` ready for a request, if there is one: taking
+        it needs no waiting, so no timeout either."""
         idle = self._idle.get(origin)
         now = time.monotonic()
         while idle:
@@ -305,6 +306,13 @@ class UpstreamPool:
                 conn.fail(UpstreamError("expired"))
                 continue
             conn.reused = True
+            return conn
+        return None
+
+    async def connect(self, origin: Origin) -> Connection:
+        """A connection to ``origin``: an idle one, else a new one (bound it with a timeout)."""
+        conn = self.idle(origin)
+        if conn is not None:
             return conn
         while self._full(origin):
             fut = asyncio.get_running_loop().create_future()
