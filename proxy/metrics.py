@@ -105,7 +105,7 @@ class BackendMetrics:
 
     def __init__(self, m: Metrics, name: str) -> None:
         self._m, self._name = m, name
-        #: pipefill_requests children by (route, status): routes and statuses are few
+        #: pipefill_requests_total children by (route, status): routes and statuses are few
         self._requests: dict[tuple[str, int], Any] = {}
         self.duration = m.request_duration.labels(name)
         self.ttft = m.ttft.labels(name)
@@ -115,7 +115,7 @@ class BackendMetrics:
         self.malformed = m.malformed_events.labels(name)
 
     def request(self, route: str, status: int) -> Any:
-        """The pipefill_requests child of this backend, ``route`` and ``status``."""
+        """The pipefill_requests_total child of this backend, ``route`` and ``status``."""
         child = self._requests.get((route, status))
         if child is None:
             child = self._m.requests.labels(self._name, route, str(status))
