@@ -14,7 +14,9 @@ the virtual-time harness (tests/limit_sim.py) calls it the same way. One backend
 2. Close it (:meth:`proxy.stats.BackendStats.take_window`) and give it to ``limit.update``.
 3. If the limit changed: tell the stats (time at the limit is measured against it), and if it
    fell below what is in flight, recall requests the backend has not started answering (newest
-   first): they go back to the proxy's queue, to whichever backend frees first.
+   first): they go back to the proxy's queue, to whichever backend frees first. Only if another
+   routable backend could take them: the only one would get them back, and a request recalled
+   from it loses its place in its queue (and any prefill done) for nothing.
 """
 
 from __future__ import annotations
@@ -46,13 +48,14 @@ class LimitControl:
     def tick(self, backends: list[Routed], now: float) -> list[tuple[Routed, Decision]]:
         """Feed every backend whose window is complete; returns the decisions made."""
         out = []
+        routable = sum(1 for b in backends if b.routable)
         for b in backends:
-            d = self._step(b, now)
+            d = self._step(b, now, elsewhere=routable > (1 if b.routable else 0))
             if d is not None:
                 out.append((b, d))
         return out
 
-    def _step(self, b: Routed, now: float) -> Decision | None:
+    def _step(self, b: Routed, now: float, elsewhere: bool) -> Decision | None:
         st, lim = b.stats, b.limit
         settling = self._settling.get(st, False)
         word = st.scrape.max_running_requests
@@ -77,7 +80,7 @@ class LimitControl:
         st.observe_in_flight(b.in_flight, after, now)
         log.info("backend %s limit %s", b.name, d if d is not None else f"{before}->{after}")
         excess = b.in_flight - st.recalling - after
-        if excess > 0:
+        if excess > 0 and elsewhere:
             st.recall_unanswered(excess)
         return d
 

@@ -102,6 +102,7 @@ class Code(enum.StrEnum):
     SERVER = "server"  # no evidence yet: start at what the server says it runs at most
     PREFILL = "prefill"  # after a cut, some still wait: in prefill, not queued; cut less
     UNDO = "undo"  # full again after a cut, running fewer than before it: the cut is undone
+    CLEARED = "cleared"  # draining after a cut, none of what it runs waits: the cut misread
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +224,8 @@ class AdaptiveLimit:
     Windows right after a change are
     not judged (proxy/control.py waits until the change's requests had their prefill), nor
     windows with more in flight than the limit (draining: what the backend shows was sent
-    before).
+    before), except that one showing none of it waiting after a ``full`` cut clears the cut
+    (``_cleared``).
 
     States: ``START`` doubles the limit, or takes all of this backend's share of the proxy's
     queue if that is more, on each judged window where demand filled it (``PRESSURE``) and the
@@ -321,7 +323,7 @@ class AdaptiveLimit:
         if w.in_flight > w.limit + self._tolerance():
             # Still draining down to a lower limit (requests that had started cannot be
             # recalled): what the backend shows is what was sent before, not this limit.
-            return None
+            return self._cleared(w)
         if self._cut is not None:
             undo = self._check_cut(w)
             if undo is not None:
@@ -425,6 +427,25 @@ class AdaptiveLimit:
         self._phase = before
         self._demand_since = None
         return self._set(redo, w, Code.PREFILL, excess=queue)
+
+    def _cleared(self, w: Window) -> Decision | None:
+        """A window still above a ``full`` cut (what had started cannot be recalled, and with
+        no other backend to take them none are): the backend shows what it does with what it
+        runs now. If it keeps none of that waiting while demand is there, what the cut was
+        read from has passed (a surge's prefills look like a queue for a window or two): it
+        runs this many without a queue, the limit comes back up to it, and the capacity is
+        unknown again (``START``)."""
+        if self.decision.code is not Code.FULL or w.pressure < PRESSURE:
+            return None
+        level = math.floor(w.in_flight)
+        excess = self.excess(w)
+        if excess > self._tolerance_at(level):
+            return None
+        self._phase = Phase.START
+        self.capacity = None
+        self._keep, self._last_cut, self._cut = 0, None, None
+        self._full, self._least_excess = 0, math.inf
+        return self._set(self._clamp(level), w, Code.CLEARED, excess=excess)
 
     def _full_at(self, w: Window) -> Decision | None:
         ran = max(1, math.floor(w.in_flight - self._least_excess))

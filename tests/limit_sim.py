@@ -235,15 +235,15 @@ def closed_loop_through_proxy(
             scrape(t)
             next_scrape = t + (scrape_interval_s or float("inf"))
         if next_tick <= t:
+            started = [b.stats.window_started for b in backends]
+            control.tick(backends, t)
+            while aborts:
+                ab, rid = aborts.pop()
+                ab.sched._now = max(ab.sched._now, t)
+                if not ab.sched.abort(rid):  # it answered meanwhile: nothing to take back
+                    recalled.discard(rid)
             for i, b in enumerate(backends):
-                started = b.stats.window_started
-                control.tick([b], t)
-                while aborts:
-                    ab, rid = aborts.pop()
-                    ab.sched._now = max(ab.sched._now, t)
-                    if not ab.sched.abort(rid):  # it answered meanwhile: nothing to take back
-                        recalled.discard(rid)
-                if b.stats.window_started == started:
+                if b.stats.window_started == started[i]:
                     continue  # no window closed
                 row = (t, b.limit.limit, b.in_flight, b.stats.tokens_per_s)
                 run.traces[b.name].append(row)

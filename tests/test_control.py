@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from adapt_fakes import FakeBackend, FakeClock
 
 from proxy.control import LimitControl
@@ -59,9 +60,13 @@ def test_the_window_after_a_change_settles_until_its_requests_had_their_prefill(
     assert b.stats.window_started == clock.t
 
 
-def test_a_limit_that_falls_below_what_is_in_flight_recalls_the_unanswered():
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_limit_that_falls_below_what_is_in_flight_recalls_the_unanswered(alone):
+    """...so that they bind to whichever backend frees first; with no other backend to go to,
+    none is recalled (each would lose its place in the backend's queue for nothing)."""
     clock = FakeClock()
     b = backend(clock, initial=10)
+    fleet = [b] if alone else [b, backend(clock, initial=10)]
     control = LimitControl()
     recalled = []
     b.in_flight = 10
@@ -71,9 +76,9 @@ def test_a_limit_that_falls_below_what_is_in_flight_recalls_the_unanswered():
     b.limit._phase = b.limit.phase.HOLD
     b.stats.observe_scrape(ok=True, queue_reqs=6.0, running_reqs=4.0)
     clock.advance(1.0)
-    control.tick([b], clock.t)  # the window the requests were sent in
+    control.tick(fleet, clock.t)  # the window the requests were sent in
     for _ in range(2):  # full two windows in a row: 6 of ours waited all along
         clock.advance(1.0)
-        control.tick([b], clock.t)
+        control.tick(fleet, clock.t)
     assert b.limit.decision.code is Code.FULL and b.limit.limit == 8  # the floor
-    assert recalled == [9, 8]  # newest first, down to the new limit
+    assert recalled == ([] if alone else [9, 8])  # newest first, down to the new limit

@@ -453,3 +453,25 @@ def test_a_queue_that_empties_by_itself_is_a_prefill_wave_not_a_full_backend():
     stays = [win(64, 10 + i, awaiting_min=10.0, queue=10.0, running=54.0) for i in range(2)]
     # the cut takes the smallest excess of the windows counted (the wave's last one, 4)
     assert [d.code for d in feed(lim, stays)] == [Code.FULL] and lim.limit == ready(60)
+
+
+def test_a_cut_that_misread_a_passing_wave_is_cleared_while_it_drains():
+    """A cut's excess stays on the backend until its requests end when there is no other
+    backend to recall them to; meanwhile each window shows what the backend does with what it
+    still runs. Once it keeps none of that waiting under demand (a surge's prefills are done),
+    the cut misread a wave: the limit comes back up to what it runs, with the capacity unknown
+    again. A backend that still keeps some waiting, no demand, or a back-off on errors is left
+    to drain."""
+    lim = adaptive(floor=1, initial=228)
+    lim._phase = Phase.HOLD
+    surge = [win(228, i, awaiting_min=186.0, pressure=0.0) for i in range(FULL_WINDOWS)]
+    assert [d.code for d in feed(lim, surge)] == [Code.FULL] and lim.limit == 42
+    assert lim.update(win(42, 5.0, in_flight=220.0, awaiting_min=120.0)) is None  # still queued
+    assert lim.update(win(42, 6.0, in_flight=220.0, pressure=0.0)) is None  # no demand
+    d = lim.update(win(42, 7.0, in_flight=220.4, awaiting_min=1.0))
+    assert d is not None and d.code is Code.CLEARED and (d.before, d.after) == (42, 220)
+    assert lim.phase is Phase.START and lim.capacity is None
+    backed_off = adaptive(floor=1, initial=40)
+    d = backed_off.update(win(40, 0.0, errors=6, completions=8))
+    assert d is not None and d.code is Code.ERRORS
+    assert backed_off.update(win(34, 1.0, in_flight=40.0)) is None and backed_off.limit == 34
