@@ -38,18 +38,30 @@ from typing import Any
 
 from harness import Harness, Poller, get_json, load_cpu, proxy_toml, write_results
 
+from loadtest.workload import LengthDist
+
 NAMES = ["tp8-a", "tp8-b", "tp8-c"]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _length(text: str) -> str:
+    """``--output-len`` checked before any server starts (loadtest's own syntax)."""
+    try:
+        LengthDist.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    # no abbreviations: "--out x" must not be read as "--output-len x"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--time-scale", type=float, default=0.5)
     ap.add_argument("--clients", type=int, default=48)
     ap.add_argument("--poll", type=float, default=0.1, help="wall seconds between samples")
-    ap.add_argument("--output-len", default="uniform:64-256")
+    ap.add_argument("--output-len", type=_length, default="uniform:64-256")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     ts = args.time_scale
     # modelled seconds from the start of the load
     sched = {"kill": 25.0, "restart": 45.0, "stall": 75.0, "resume": 90.0, "end": 120.0}

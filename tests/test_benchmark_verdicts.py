@@ -1,5 +1,6 @@
 """The verdicts benchmarks/heterogeneous.py and benchmarks/replicas.py print: medians over
-repeats, margins and targets (a bug here would misreport a target as met)."""
+repeats, margins and targets (a bug here would misreport a target as met); and benchmarks'
+refusal of bad arguments before they start servers."""
 
 from __future__ import annotations
 
@@ -86,3 +87,16 @@ def test_relay_micro_fit_separates_per_request_from_per_event_cost():
     assert math.isclose(fa, a, rel_tol=1e-9) and math.isclose(fb, b, rel_tol=1e-9)
     with pytest.raises(relay_micro.BenchError):  # one shape of run says nothing about the split
         relay_micro.fit([{"requests": 10, "events": 100, "cpu_s": 1.0}] * 3)
+
+
+@pytest.mark.parametrize(
+    "argv", [["--out", "results/faults"], ["--output-len", "bogus"], ["--output-len", "0"]]
+)
+def test_faults_refuses_bad_arguments_before_starting_anything(argv):
+    """``--out x`` is no abbreviation of ``--output-len`` (it was read as one, and failed only
+    after three simulators and a proxy had started), and a bad length is refused up front."""
+    import faults
+
+    with pytest.raises(SystemExit) as e:
+        faults.main(argv)
+    assert e.value.code == 2
