@@ -176,6 +176,11 @@ class DecayingSlope:
         self._stamp = 0.0
 
 
+#: ITL samples summed before they are folded into the estimates span at most this share of
+#: their horizon (so that folding them as of the last one's time changes nothing that matters)
+FOLD_SHARE = 0.01
+
+
 class ItlModel:
     """Inter-token latency as routing reads it: its time-decayed mean (``ewma``), the
     in-flight count it was measured at (``load``), and how it grows with that count
@@ -183,19 +188,23 @@ class ItlModel:
 
     A sample comes with every relayed token event, hundreds per decode step, on the relay's
     hot path; samples are summed as they arrive and folded into the estimates when one is
-    read (``fold``). Samples folded together count as arriving at the last one's time: they
-    are at most milliseconds apart, the estimates' horizons are seconds.
+    read (``fold``), or when the batch spans ``FOLD_SHARE`` of the horizon. Samples folded
+    together count as arriving at the last one's time: they are at most that far apart.
     """
 
-    __slots__ = ("_at", "_n", "_x", "_xx", "_xy", "_y", "ewma", "load", "slope")
+    __slots__ = ("_at", "_n", "_since", "_span", "_x", "_xx", "_xy", "_y", "ewma", "load", "slope")
 
     def __init__(self, tau: float) -> None:
         self.ewma = DecayingEwma(tau)
         self.load = DecayingEwma(tau)
         self.slope = DecayingSlope(tau * 6)
+        self._span = FOLD_SHARE * tau
         self._clear()
 
     def add(self, itl: float, in_flight: float, now: float) -> None:
+        if now - self._since > self._span:
+            self.fold()
+            self._since = now
         self._n += 1
         self._y += itl
         self._x += in_flight
@@ -221,6 +230,7 @@ class ItlModel:
     def _clear(self) -> None:
         self._n = 0
         self._y = self._x = self._xx = self._xy = self._at = 0.0
+        self._since = -math.inf  # when the batch's first sample came (none: the next starts one)
 
 
 class RateMeter:

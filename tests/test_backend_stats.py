@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.stats import DecayingEwma, DecayingSlope, ItlModel, RateMeter
+from proxy.stats import FOLD_SHARE, DecayingEwma, DecayingSlope, ItlModel, RateMeter
 
 _SAMPLES = st.lists(
     st.tuples(
@@ -18,28 +18,39 @@ _SAMPLES = st.lists(
 
 
 @given(samples=_SAMPLES, reads=st.lists(st.integers(0, 60), max_size=8))
-def test_itl_model_folded_when_read_matches_every_sample_observed_at_the_last_ones_time(
+def test_itl_model_folded_in_batches_matches_every_sample_observed_at_its_batchs_last_time(
     samples, reads
 ):
-    """Folding sums is exact for samples at one instant; samples folded together count at the
-    last one's time, so the reference observes each at the time of the read that folds it."""
+    """Folding sums is exact for samples at one instant; a batch (ended by a read, or by a
+    sample more than FOLD_SHARE of the horizon after the batch began) counts at its last
+    sample's time, so the reference observes each sample at that time."""
     tau = 10.0
     model = ItlModel(tau)
     ewma, load, slope = DecayingEwma(tau), DecayingEwma(tau), DecayingSlope(6 * tau)
     pending: list[tuple[float, int]] = []
+    began = last = 0.0
+
+    def flush() -> None:
+        for y, x in pending:
+            ewma.observe(y, last)
+            load.observe(x, last)
+            slope.observe(x, y, last)
+        pending.clear()
+
     now = 100.0
     read_at = set(reads)
     for i, (itl, in_flight, gap) in enumerate(samples):
         now += gap
+        if pending and now - began > FOLD_SHARE * tau:
+            flush()
+        if not pending:
+            began = now
         model.add(itl, in_flight, now)
         pending.append((itl, in_flight))
+        last = now
         if i in read_at or i == len(samples) - 1:
             model.fold()
-            for y, x in pending:
-                ewma.observe(y, now)
-                load.observe(x, now)
-                slope.observe(x, y, now)
-            pending.clear()
+            flush()
             assert model.ewma.value == pytest.approx(ewma.value, rel=1e-9)
             assert model.load.value == pytest.approx(load.value, rel=1e-9, abs=1e-9)
             if slope.slope is None:
