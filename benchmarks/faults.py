@@ -36,20 +36,9 @@ import time
 from collections import Counter
 from typing import Any
 
-from harness import Harness, Poller, get_json, load_cpu, proxy_toml, write_results
-
-from loadtest.workload import LengthDist
+from harness import Harness, Poller, get_json, length_arg, load_cpu, proxy_toml, write_results
 
 NAMES = ["tp8-a", "tp8-b", "tp8-c"]
-
-
-def _length(text: str) -> str:
-    """``--output-len`` checked before any server starts (loadtest's own syntax)."""
-    try:
-        LengthDist.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=0.5)
     ap.add_argument("--clients", type=int, default=48)
     ap.add_argument("--poll", type=float, default=0.1, help="wall seconds between samples")
-    ap.add_argument("--output-len", type=_length, default="uniform:64-256")
+    ap.add_argument("--output-len", type=length_arg, default="uniform:64-256")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)

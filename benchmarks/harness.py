@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest.workload import LengthDist
 from proxy.limits import LimitSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,6 +55,15 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
     return n
+
+
+def length_arg(text: str) -> str:
+    """An ``--output-len`` for loadtest, checked before any server starts (loadtest's syntax)."""
+    try:
+        LengthDist.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:

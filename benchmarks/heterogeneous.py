@@ -33,6 +33,7 @@ from harness import (
     backends_by_name,
     get_json,
     get_text,
+    length_arg,
     level_row,
     load_cpu,
     positive_int,
@@ -175,14 +176,15 @@ def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:+.1f}%"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    # no abbreviations: "--out x" must not be read as "--output-len x"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--time-scale", type=float, default=0.25)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                     default=[4, 32, 128])  # fmt: skip
     ap.add_argument("--warmup", type=float, default=20.0, help="modelled s before each window")
     ap.add_argument("--duration", type=float, default=40.0, help="modelled s measured per level")
-    ap.add_argument("--output-len", default="uniform:64-256")
+    ap.add_argument("--output-len", type=length_arg, default="uniform:64-256")
     ap.add_argument("--fronts", default=",".join(FRONTS))
     ap.add_argument(
         "--fresh-per-level",
@@ -198,7 +200,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=positive_int, default=3, help="rounds of every front end")
     ap.add_argument("--quick", action="store_true", help="short smoke run")
     ap.add_argument("--no-save", action="store_true", help="print only")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.warmup, args.duration = 8.0, 12.0
     t0 = time.monotonic()

@@ -32,6 +32,7 @@ from harness import (
     backend_entries,
     backends_by_name,
     get_json,
+    length_arg,
     level_row,
     load_cpu,
     proxy_toml,
@@ -168,19 +169,20 @@ def phase_open(args: argparse.Namespace, rate: float, via: str) -> dict[str, Any
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    # no abbreviations: "--out x" must not be read as "--output-len x"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--time-scale", type=float, default=0.25)
     ap.add_argument("--capacity-clients", type=int, default=192)
     ap.add_argument("--warmup", type=float, default=20.0, help="modelled s")
     ap.add_argument("--duration", type=float, default=40.0, help="modelled s")
-    ap.add_argument("--output-len", default="uniform:64-256")
+    ap.add_argument("--output-len", type=length_arg, default="uniform:64-256")
     ap.add_argument("--overload", type=float, default=2.0, help="offered / capacity")
     ap.add_argument("--queue-length", type=int, default=64)
     ap.add_argument("--deadline", type=float, default=5.0, help="queue deadline, modelled s")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.warmup, args.duration = 10.0, 15.0
     t0 = time.monotonic()

@@ -29,6 +29,7 @@ from harness import (
     Poller,
     backend_entries,
     get_json,
+    length_arg,
     level_row,
     load_cpu,
     positive_int,
@@ -122,17 +123,18 @@ def _p10_p90(xs: list[float]) -> list[float]:
     return [s[int(0.1 * (len(s) - 1))], s[int(0.9 * (len(s) - 1))]] if s else []
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    # no abbreviations: "--out x" must not be read as "--output-len x"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--time-scale", type=float, default=0.25)
     ap.add_argument("--clients", type=int, default=192)
     ap.add_argument("--warmup", type=float, default=90.0, help="modelled s")
     ap.add_argument("--duration", type=float, default=40.0, help="modelled s")
-    ap.add_argument("--output-len", default="uniform:64-256")
+    ap.add_argument("--output-len", type=length_arg, default="uniform:64-256")
     ap.add_argument("--repeats", type=positive_int, default=3, help="pairs of phases")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.warmup, args.duration = 15.0, 15.0
     t0 = time.monotonic()

@@ -4,6 +4,7 @@ refusal of bad arguments before they start servers."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 from pathlib import Path
@@ -89,14 +90,14 @@ def test_relay_micro_fit_separates_per_request_from_per_event_cost():
         relay_micro.fit([{"requests": 10, "events": 100, "cpu_s": 1.0}] * 3)
 
 
+@pytest.mark.parametrize("script", ["faults", "heterogeneous", "overload", "replicas"])
 @pytest.mark.parametrize(
-    "argv", [["--out", "results/faults"], ["--output-len", "bogus"], ["--output-len", "0"]]
+    "argv", [["--out", "results/x"], ["--output-len", "bogus"], ["--output-len", "0"]]
 )
-def test_faults_refuses_bad_arguments_before_starting_anything(argv):
-    """``--out x`` is no abbreviation of ``--output-len`` (it was read as one, and failed only
-    after three simulators and a proxy had started), and a bad length is refused up front."""
-    import faults
-
+def test_benchmarks_refuse_bad_arguments_before_starting_anything(script, argv):
+    """``--out x`` is no abbreviation of ``--output-len`` (faults.py read it as one and failed
+    only after three simulators and a proxy had started), and a bad length is refused up front."""
+    module = importlib.import_module(script)
     with pytest.raises(SystemExit) as e:
-        faults.main(argv)
+        module.main(argv)
     assert e.value.code == 2
