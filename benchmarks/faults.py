@@ -27,7 +27,6 @@ Results: benchmarks/results/faults.{md,json}.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import signal
@@ -36,14 +35,22 @@ import time
 from collections import Counter
 from typing import Any
 
-from harness import Harness, Poller, get_json, length_arg, load_cpu, proxy_toml, write_results
+from harness import (
+    Harness,
+    Poller,
+    argument_parser,
+    get_json,
+    length_arg,
+    load_cpu,
+    proxy_toml,
+    write_results,
+)
 
 NAMES = ["tp8-a", "tp8-b", "tp8-c"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    # no abbreviations: "--out x" must not be read as "--output-len x"
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap = argument_parser(__doc__)
     ap.add_argument("--time-scale", type=float, default=0.5)
     ap.add_argument("--clients", type=int, default=48)
     ap.add_argument("--poll", type=float, default=0.1, help="wall seconds between samples")

@@ -57,6 +57,13 @@ def positive_int(text: str) -> int:
     return n
 
 
+def argument_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's argument parser, described by its docstring's first line. No abbreviated
+    options: "--out x" must not be read as "--output-len x" (and fail only after servers
+    started)."""
+    return argparse.ArgumentParser(description=(doc or "").splitlines()[0], allow_abbrev=False)
+
+
 def length_arg(text: str) -> str:
     """An ``--output-len`` for loadtest, checked before any server starts (loadtest's syntax)."""
     try:

@@ -29,6 +29,7 @@ from typing import Any
 from harness import (
     Harness,
     Poller,
+    argument_parser,
     backend_entries,
     backends_by_name,
     get_json,
@@ -177,8 +178,7 @@ def pct(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # no abbreviations: "--out x" must not be read as "--output-len x"
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap = argument_parser(__doc__)
     ap.add_argument("--time-scale", type=float, default=0.25)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                     default=[4, 32, 128])  # fmt: skip

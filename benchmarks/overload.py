@@ -29,6 +29,7 @@ from typing import Any
 from harness import (
     Harness,
     Poller,
+    argument_parser,
     backend_entries,
     backends_by_name,
     get_json,
@@ -170,8 +171,7 @@ def phase_open(args: argparse.Namespace, rate: float, via: str) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    # no abbreviations: "--out x" must not be read as "--output-len x"
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap = argument_parser(__doc__)
     ap.add_argument("--time-scale", type=float, default=0.25)
     ap.add_argument("--capacity-clients", type=int, default=192)
     ap.add_argument("--warmup", type=float, default=20.0, help="modelled s")

@@ -27,6 +27,7 @@ from typing import Any
 from harness import (
     Harness,
     Poller,
+    argument_parser,
     backend_entries,
     get_json,
     length_arg,
@@ -124,8 +125,7 @@ def _p10_p90(xs: list[float]) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # no abbreviations: "--out x" must not be read as "--output-len x"
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap = argument_parser(__doc__)
     ap.add_argument("--time-scale", type=float, default=0.25)
     ap.add_argument("--clients", type=int, default=192)
     ap.add_argument("--warmup", type=float, default=90.0, help="modelled s")

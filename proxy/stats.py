@@ -141,13 +141,7 @@ class DecayingSlope:
         self.reset()
 
     def observe(self, x: float, y: float, now: float) -> None:
-        d = math.exp(-max(now - self._stamp, 0.0) / self.tau)
-        self._stamp = now
-        self._s0 = self._s0 * d + 1.0
-        self._sx = self._sx * d + x
-        self._sy = self._sy * d + y
-        self._sxx = self._sxx * d + x * x
-        self._sxy = self._sxy * d + x * y
+        self.observe_sums(1, x, y, x * x, x * y, now)
 
     def observe_sums(
         self, n: int, sx: float, sy: float, sxx: float, sxy: float, now: float
