@@ -85,7 +85,12 @@ REFERENCE_FIXED = {"tok_s": 1.14, "ttft_p99": 0.53}  # the issue's fixed-limit r
 
 
 def profile_file(name: str) -> str:
-    return str(PROFILE_DIR / f"{name}.toml")
+    """A profile of benchmarks/profiles/ by name, or a .toml path as it is."""
+    return name if name.endswith(".toml") else str(PROFILE_DIR / f"{name}.toml")
+
+
+def backend_name(profile: str) -> str:
+    return Path(profile).stem
 
 
 # -- verdicts (pure; tests/test_fill_any.py) ---------------------------------------------------
@@ -189,7 +194,7 @@ def entries(urls: list[str], profiles: list[str], fixed: dict[str, int] | None =
     out = []
     for url, name in zip(urls, profiles, strict=True):
         p = load_profile(profile_file(name))
-        e: dict[str, Any] = {"name": name, "url": url, "parallelism": p.parallelism,
+        e: dict[str, Any] = {"name": backend_name(name), "url": url, "parallelism": p.parallelism,
                              "pp_size": p.pp_size if p.parallelism == "pp" else None}  # fmt: skip
         if fixed:
             e["limits"] = {"algorithm": "fixed", "initial": fixed[name]}
@@ -208,12 +213,16 @@ def sim_served(url: str) -> int:
     )
 
 
-def workload(args: argparse.Namespace, open_loop: bool = False) -> list[str]:
+def workload(
+    args: argparse.Namespace, open_loop: bool = False, lengths: tuple[str, str] | None = None
+) -> list[str]:
     """Closed loop: --warmup, no drain (what runs at the window's end is cut); open loop:
-    --open-warmup, and requests sent in the window may finish for --drain s after it."""
+    --open-warmup, and requests sent in the window may finish for --drain s after it.
+    ``lengths``: loadtest's --input-len and --output-len (default: this benchmark's)."""
     warmup, drain = (args.open_warmup, args.drain) if open_loop else (args.warmup, 0)
+    inp, out = lengths or (str(INPUT_LEN), str(OUTPUT_LEN))
     return ["--warmup", str(warmup), "--duration", str(args.duration),
-            "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--ignore-eos",
+            "--input-len", inp, "--output-len", out, "--ignore-eos",
             "--seed", str(args.seed), "--drain-timeout", str(drain),
             "--request-timeout", "600"]  # fmt: skip
 
@@ -226,14 +235,16 @@ def run_arm(
     load: list[str],
     *,
     open_loop: bool = False,
+    lengths: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """Fresh simulators (one process each), the front end (direct | proxy | fixed | router),
-    one `loadtest run` level; the proxy's /admin/backends polled throughout."""
+    one `loadtest run` level; the proxy's /admin/backends polled throughout. ``profiles``:
+    names in benchmarks/profiles/ or .toml paths; ``lengths`` as in ``workload``."""
     ts = args.time_scale
     print(f"-- {label}: {front} ...", flush=True)
     with Harness(f"fill_any-{label}-{front}", time_scale=ts) as h:
         urls = [
-            h.sim([profile_file(p)], name=f"sim-{p}", seed=1 + i).url
+            h.sim([profile_file(p)], name=f"sim-{backend_name(p)}", seed=1 + i).url
             for i, p in enumerate(profiles)
         ]
         proxied = front in ("proxy", "fixed")
@@ -253,9 +264,10 @@ def run_arm(
         fetch = backends_by_name(url) if proxied else (lambda: None)
         t0 = time.monotonic()
         with Poller(fetch, interval=0.5 * ts) as poll:
-            res = h.loadtest(url, load + workload(args, open_loop), name=f"loadtest-{front}")
+            work = workload(args, open_loop, lengths)
+            res = h.loadtest(url, load + work, name=f"loadtest-{front}")
         wall = time.monotonic() - t0
-        served = {p: sim_served(u) for p, u in zip(profiles, urls, strict=True)}
+        served = {backend_name(p): sim_served(u) for p, u in zip(profiles, urls, strict=True)}
     lv = res["levels"][0]
     row: dict[str, Any] = {"front": front, **level_row(lv),
                            "request_throughput": lv.get("request_throughput"),

@@ -363,6 +363,11 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
+def toml_table(values: dict[str, Any]) -> str:
+    """A flat TOML table (a simulator profile's fields); None values are left out."""
+    return "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items() if v is not None)
+
+
 def proxy_toml(
     backends: list[dict[str, Any]],
     *,

@@ -63,6 +63,9 @@ NEW_TOKEN_RATIOS = (0.0, 0.1, 0.3, 0.5)
 CHUNKED_PREFILL_SIZES = (2048, 4096, 8192)
 NOISY_SHARE = 0.75
 STEP_NOISE = (0.03, 0.3)
+#: context beyond the workload's prompt and longest answer: a chat template's tokens around the
+#: prompt (the context length only validates requests; the engine never reads it)
+CHAT_ROOM = 64
 
 # --- affordability (redraw beyond these) ---------------------------------------------------
 MAX_TOKENS_PER_S = 3000.0  # output tokens/s at capacity
@@ -278,7 +281,7 @@ def _draw(rng: random.Random, seed: int) -> Shape | None:
     max_total_tokens = max(math.ceil(fits * per_request_kv), input_len + output_len[1] + 1)
 
     profile = base.with_overrides(
-        context_length=input_len + output_len[1] + 1,
+        context_length=input_len + output_len[1] + CHAT_ROOM,
         max_total_tokens=max_total_tokens,
         new_token_ratio=new_token_ratio,
         chunked_prefill_size=rng.choice(CHUNKED_PREFILL_SIZES),

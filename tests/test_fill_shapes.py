@@ -1,0 +1,87 @@
+"""benchmarks/fill_shapes.py: which generated shapes it runs, the workload and profile it gives
+each simulator, and its verdict (no servers: the pure parts a bug would misreport through)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import fill_shapes
+from harness import toml_table
+
+from loadtest.sim.profiles import Profile
+from loadtest.sim.shapes import generate_shape
+from loadtest.sim.tokens import CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_PER_PROMPT
+from loadtest.workload import LengthDist
+
+
+def test_picks_only_affordable_shapes_of_the_kind_asked_in_seed_order():
+    shapes, skipped = fill_shapes.pick_shapes(9000, 5, "pp")
+    seeds = [s.seed for s in shapes]
+    assert seeds == sorted(seeds) and seeds[0] >= 9000
+    assert all(s.profile.parallelism == "pp" and fill_shapes.affordable(s) for s in shapes)
+    # every seed in the range was either picked or counted as skipped
+    assert len(shapes) + skipped == seeds[-1] - 9000 + 1
+    skipped_seeds = set(range(9000, seeds[-1])) - set(seeds)
+    for seed in skipped_seeds:
+        s = generate_shape(seed)
+        assert s.profile.parallelism != "pp" or not fill_shapes.affordable(s)
+
+
+def test_affordable_bounds_request_time_rate_and_capacity():
+    for seed in range(9000, 9040):
+        s = generate_shape(seed)
+        e = s.est
+        expected = (
+            e.request_s <= fill_shapes.MAX_REQUEST_S
+            and e.tokens_per_s <= fill_shapes.MAX_TOKENS_PER_S
+            and e.capacity <= fill_shapes.MAX_CAPACITY
+        )
+        assert fill_shapes.affordable(s) is expected
+
+
+def test_lengths_are_the_shapes_workload_in_loadtests_forms():
+    for seed in (9000, 9001, 9004):
+        s = generate_shape(seed)
+        inp, out = (LengthDist.parse(x) for x in fill_shapes.lengths(s))
+        assert (inp.kind, inp.a) == ("fixed", s.input_len)
+        lo, hi = s.output_len
+        assert (out.kind, out.a, out.b) == ("uniform", lo, hi) if lo < hi else (out.a == lo)
+
+
+def test_profile_written_as_toml_is_the_same_profile_and_fits_a_chat_prompt():
+    s = generate_shape(9001)
+    back = Profile.model_validate(tomllib.loads(toml_table(s.profile.model_dump())))
+    assert back == s.profile
+    chat = s.input_len + CHAT_TOKENS_PER_MESSAGE + CHAT_TOKENS_PER_PROMPT
+    assert back.context_length >= chat + s.output_len[1]
+
+
+def test_timing_stretches_to_the_shapes_request_time():
+    args = argparse.Namespace(warmup=5.0, duration=25.0)
+    quick, slow = generate_shape(9012), generate_shape(9000)  # ~0.9 s and ~7 s per request
+    assert fill_shapes.timing(quick, args) == (5.0, 25.0)
+    warmup, window = fill_shapes.timing(slow, args)
+    assert warmup == pytest.approx(fill_shapes.WARMUP_REQUESTS * slow.est.request_s)
+    assert window == max(25.0, fill_shapes.WINDOW_REQUESTS * slow.est.request_s)
+
+
+def test_report_counts_a_shape_under_the_bar_or_unmeasured_as_not_met():
+    def row(seed: int, direct: float | None, via: float | None) -> dict:
+        tok = fill_shapes.ratio(via, direct)
+        return {"shape": f"s{seed}", "binding": "cap", "capacity": 8, "clients": 16,
+                "duration_s": 25.0, "direct": {"output_tok_s": direct},
+                "proxy": {"output_tok_s": via, "limits": {"b": 9}}, "tok_ratio": tok,
+                "met": tok is not None and tok >= fill_shapes.MIN_RATIO}  # fmt: skip
+
+    rows = [row(1, 100.0, 96.0), row(2, 100.0, 94.0), row(3, 0.0, 50.0)]
+    assert [r["met"] for r in rows] == [True, False, False]
+    args = argparse.Namespace(command="x", parallelism=None, seed_base=9000, time_scale=1.0)
+    md = fill_shapes.report(args, rows, skipped=2, wall=10.0)
+    assert "VERDICT: 1/3 shapes" in md and "NOT met" in md
