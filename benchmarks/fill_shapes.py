@@ -59,11 +59,16 @@ def affordable(shape: Shape) -> bool:
 def pick_shapes(base: int, n: int, parallelism: str | None = None) -> tuple[list[Shape], int]:
     """The first ``n`` affordable shapes from seed ``base`` on (acceptance split), of one
     ``parallelism`` if given, and how many were skipped on the way."""
+    split = SPLITS["accept"]
+    if base < split.start:
+        raise ValueError(
+            f"--seed-base {base}: shapes come from the acceptance split, >= {split.start}"
+        )
     picked: list[Shape] = []
     skipped = 0
     seed = base
     while len(picked) < n:
-        if seed >= SPLITS["accept"].stop:
+        if seed >= split.stop:
             raise ValueError(f"no {n} affordable shapes from seed {base}")
         shape = generate_shape(seed)
         kind = parallelism is None or shape.profile.parallelism == parallelism
@@ -73,6 +78,18 @@ def pick_shapes(base: int, n: int, parallelism: str | None = None) -> tuple[list
             skipped += 1
         seed += 1
     return picked, skipped
+
+
+def seed_list(text: str) -> list[int]:
+    """argparse type for --seeds: acceptance-split seeds, e.g. 9011,9018."""
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated seeds, got {text!r}") from None
+    start = SPLITS["accept"].start
+    if not seeds or min(seeds) < start:
+        raise argparse.ArgumentTypeError(f"seeds come from the acceptance split, >= {start}")
+    return seeds
 
 
 def lengths(shape: Shape) -> tuple[str, str]:
@@ -177,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--parallelism", choices=["pp", "tp", "ep"], default=None, help="only shapes of this kind"
     )
+    ap.add_argument(
+        "--seeds",
+        type=seed_list,
+        default=None,
+        help="these shapes (comma-separated seeds, affordable or not) instead of picking",
+    )
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--warmup", type=float, default=5.0, help="least modelled s before a window")
     ap.add_argument("--duration", type=float, default=25.0, help="least modelled s measured")
@@ -192,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     args.command = " ".join(["python benchmarks/fill_shapes.py", *given])
     try:
-        shapes, skipped = pick_shapes(args.seed_base, args.shapes, args.parallelism)
+        if args.seeds:
+            shapes, skipped = [generate_shape(seed) for seed in args.seeds], 0
+        else:
+            shapes, skipped = pick_shapes(args.seed_base, args.shapes, args.parallelism)
     except ValueError as exc:
         ap.error(str(exc))
     started = time.monotonic()

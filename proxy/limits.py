@@ -315,11 +315,12 @@ class AdaptiveLimit:
             return self._back_off(w, Code.ERRORS)
         if self._phase is Phase.START and not self._told and w.max_running is not None:
             # The first word from the server (its /server_info): with no evidence yet, start at
-            # what it says it runs. Never more than sending straight would put on it, and a
-            # cold start needs no windows to get there.
+            # what it says it runs, with the requests kept ready. Never more than sending
+            # straight would put on it, and a cold start needs no windows to get there.
             self._told = True
-            if self._limit < w.max_running:
-                return self._set(self._clamp(w.max_running), w, Code.SERVER)
+            told = self._told_level(w.max_running)
+            if self._limit < told:
+                return self._set(self._clamp(told), w, Code.SERVER)
         if w.in_flight > w.limit + self._tolerance():
             # Still draining down to a lower limit (requests that had started cannot be
             # recalled): what the backend shows is what was sent before, not this limit.
@@ -368,7 +369,7 @@ class AdaptiveLimit:
             self._demand_since = w.start
         if w.end - self._demand_since >= self._probe_wait:
             nxt = self._probe_level()
-            if w.max_running is not None and self._limit >= w.max_running:
+            if w.max_running is not None and self._limit >= self._told_level(w.max_running):
                 return None  # the server runs no more than it said: a probe could only queue
             if nxt > self._limit:
                 self._phase = Phase.PROBE
@@ -521,8 +522,9 @@ class AdaptiveLimit:
         level = self._limit
         nxt = max(2 * level, level + w.backlog)
         if w.max_running is not None:
-            # The server runs at most this many: more would only wait inside it.
-            nxt = min(nxt, max(level, w.max_running))
+            # The server runs at most this many: more than the few kept ready would only wait
+            # inside it.
+            nxt = min(nxt, max(level, self._told_level(w.max_running)))
         return self._set(self._clamp(nxt), w, code)
 
     def _restart(self, w: Window) -> Decision | None:
@@ -577,6 +579,14 @@ class AdaptiveLimit:
         a request already there fills it at once; a cut to exactly ``runs`` would starve it at
         every peak. A few requests bound early cost the proxy little late binding."""
         return math.floor(runs + self._tolerance_at(runs))
+
+    def _told_level(self, max_running: int) -> int:
+        """The limit for a server that says it runs ``max_running``: a capacity like one found,
+        so with the requests kept ready (``_ready``). At exactly its cap, a slot that a step
+        frees stays empty until the proxy's next request has crossed the network, and the step
+        that starts meanwhile runs without it: every request loses about a step, which is a
+        few % of a short answer's time."""
+        return self._ready(max_running)
 
     def _first_probe_wait(self) -> float:
         return FIRST_PROBE_SHARE * self.settings.probe_every_s

@@ -7,10 +7,18 @@ over one window, given the limit in force; :func:`drive` feeds a limit a model's
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
 from proxy.stats import Window
+
+
+def ready(capacity: int) -> int:
+    """The limit held for a backend that runs ``capacity`` (found, or said by the server): that
+    plus the default tolerance (max(queue_tolerance 2, queue_share 5%)), kept ready in its
+    queue."""
+    return math.floor(capacity + max(2.0, 0.05 * capacity))
 
 
 def win(

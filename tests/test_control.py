@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from adapt_fakes import FakeBackend, FakeClock
+from limit_models import ready
 
 from proxy.control import LimitControl
 from proxy.limits import AdaptiveLimit, Code, LimitSettings
@@ -33,7 +34,7 @@ def test_the_servers_word_ends_the_window_at_once_and_starts_the_limit_there():
     b.stats.scrape.max_running_requests = 64
     decisions = control.tick([b], clock.t)
     assert [d.code for _, d in decisions] == [Code.SERVER]
-    assert b.limit.limit == 64
+    assert b.limit.limit == ready(64)
     clock.advance(0.1)
     assert control.tick([b], clock.t) == []  # taken once
 

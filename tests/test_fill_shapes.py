@@ -85,3 +85,34 @@ def test_report_counts_a_shape_under_the_bar_or_unmeasured_as_not_met():
     args = argparse.Namespace(command="x", parallelism=None, seed_base=9000, time_scale=1.0)
     md = fill_shapes.report(args, rows, skipped=2, wall=10.0)
     assert "VERDICT: 1/3 shapes" in md and "NOT met" in md
+
+
+def test_tune_seeds_are_refused_before_anything_starts(monkeypatch):
+    started = []
+    monkeypatch.setattr(fill_shapes, "run_shape", lambda *a: started.append(a))
+    with pytest.raises(SystemExit) as exc:
+        fill_shapes.main(["--seed-base", "5"])
+    assert exc.value.code == 2 and not started
+
+
+@pytest.mark.parametrize("seeds", ["5", "9011,x", ""])
+def test_seeds_outside_the_acceptance_split_or_not_numbers_are_refused(seeds, monkeypatch):
+    started = []
+    monkeypatch.setattr(fill_shapes, "run_shape", lambda *a: started.append(a))
+    with pytest.raises(SystemExit) as exc:
+        fill_shapes.main(["--seeds", seeds])
+    assert exc.value.code == 2 and not started
+
+
+def test_seeds_given_run_those_shapes_in_that_order(monkeypatch, tmp_path):
+    ran = []
+
+    def fake(args, shape, workdir):
+        ran.append(shape.seed)
+        return {"shape": shape.name, "binding": "cap", "capacity": 1, "clients": 2,
+                "duration_s": 1.0, "direct": {}, "proxy": {}, "tok_ratio": 1.0,
+                "met": True}  # fmt: skip
+
+    monkeypatch.setattr(fill_shapes, "run_shape", fake)
+    assert fill_shapes.main(["--seeds", "9018,9011", "--out", str(tmp_path / "r")]) == 0
+    assert ran == [9018, 9011] and (tmp_path / "r.md").is_file()

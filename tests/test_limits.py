@@ -7,10 +7,9 @@ its numbers), never by their wording.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
-from limit_models import BatchModel, drive, win
+from limit_models import BatchModel, drive, ready, win
 from pydantic import ValidationError
 
 from proxy.limits import (
@@ -32,12 +31,6 @@ def adaptive(floor: int = 1, **kw) -> AdaptiveLimit:
 
 def feed(lim: AdaptiveLimit, windows) -> list:
     return [d for w in windows if (d := lim.update(w)) is not None]
-
-
-def ready(capacity: int) -> int:
-    """The limit held for a backend that runs ``capacity``: that plus the default tolerance
-    (max(queue_tolerance 2, queue_share 5%)), kept ready in its queue."""
-    return math.floor(capacity + max(2.0, 0.05 * capacity))
 
 
 def test_fixed_limit_never_moves():
@@ -393,14 +386,16 @@ def test_snapshot_and_decision_are_structured():
 
 
 def test_a_growth_step_stops_where_the_server_says_it_runs_no_more():
-    """``/server_info``'s max_running_requests: growth stops there (no queue to cut back,
-    nothing to recall), however much waits in the proxy."""
+    """``/server_info``'s max_running_requests: growth stops there, plus the few kept ready in
+    its queue as for a capacity found (no queue to cut back, nothing to recall), however much
+    waits in the proxy."""
     lim = adaptive(floor=8)
     lim._told = True  # (as if the server's word had come before this test's windows)
     d = lim.update(dataclasses.replace(win(8, 0.0, backlog=200), max_running=64))
-    assert d is not None and d.code is Code.GROW and d.after == 64
-    assert lim.update(dataclasses.replace(win(64, 1.0, backlog=150), max_running=64)) is None
-    assert lim.limit == 64
+    assert d is not None and d.code is Code.GROW and d.after == ready(64) > 64
+    at = lim.limit
+    assert lim.update(dataclasses.replace(win(at, 1.0, backlog=150), max_running=64)) is None
+    assert lim.limit == ready(64)
 
 
 def test_a_cold_start_begins_where_the_server_says_it_runs():
@@ -408,7 +403,7 @@ def test_a_cold_start_begins_where_the_server_says_it_runs():
     or without demand yet (a limit binds only when demand exceeds it): no windows of growth."""
     lim = adaptive(floor=8)
     d = lim.update(dataclasses.replace(win(8, 0.0, pressure=0.0, in_flight=0.0), max_running=64))
-    assert d is not None and d.code is Code.SERVER and d.after == 64
+    assert d is not None and d.code is Code.SERVER and d.after == ready(64)
     assert lim.phase is Phase.START  # nothing measured yet: the evidence still decides
     # the word is taken once: a full backend below it comes down and stays down
     model = BatchModel(max_running=40)
@@ -440,7 +435,7 @@ def test_a_restart_with_nothing_known_takes_the_servers_word_again():
     lim = adaptive(floor=8)
     w = dataclasses.replace(win(8, 0.0, pressure=0.0, in_flight=0.0), max_running=96)
     d = lim.update(dataclasses.replace(w, restarted=True))
-    assert d is not None and d.code is Code.SERVER and lim.limit == 96
+    assert d is not None and d.code is Code.SERVER and lim.limit == ready(96)
 
 
 def test_a_queue_that_empties_by_itself_is_a_prefill_wave_not_a_full_backend():
