@@ -232,11 +232,12 @@ class AdaptiveLimit:
     backend was not full: with the capacity unknown, sending what waits is what sending straight
     to the backend would do, so it cannot deliver less; a queue it makes is cut back with the
     requests recalled. The first window that carries the server's own ``max_running_requests``
-    (``/server_info``) starts the limit there (``SERVER``), and growth stops there. ``HOLD``
+    (``/server_info``) starts the limit there, with the requests kept ready (``SERVER``,
+    ``_told_level``), and growth stops there. ``HOLD``
     keeps the capacity; after demand above it for ``FIRST_PROBE_SHARE`` of ``probe_every_s``,
     doubling with each probe that finds the same capacity up to ``probe_every_s``, a
     ``probe_step`` probe
-    (``PROBE``; none at or above the server's ``max_running_requests``): full again -> back to
+    (``PROBE``; none at or above that level): full again -> back to
     what it runs; not full for ``REOPEN_WINDOWS`` -> the capacity grew, ``START`` again. Errors
     and stale metrics back off by ``backoff``; a restart resumes at the capacity found. Never
     below ``floor`` (a pipeline's stage count), never above ``max_limit``.
