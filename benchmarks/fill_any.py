@@ -48,13 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from harness import (
-    RESULTS,
     Harness,
     Poller,
     backends_by_name,
     get_text,
     level_row,
     load_cpu,
+    out_argument,
     positive_int,
     proxy_toml,
     write_results,
@@ -548,14 +548,7 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=5.0, help="open: queue deadline, modelled s")
     ap.add_argument("--seed", type=int, default=7, help="loadtest seed (prompts, arrivals)")
     ap.add_argument("--repeats", type=positive_int, default=1, help="rounds of every section")
-    ap.add_argument(
-        "--out",
-        nargs="?",
-        const=str(RESULTS / "fill_any"),
-        default=None,
-        metavar="BASE",
-        help="write BASE.md and BASE.json (without BASE: benchmarks/results/fill_any)",
-    )
+    out_argument(ap, "fill_any")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
     bad = [s for s in only if s not in SECTIONS]

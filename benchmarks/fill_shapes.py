@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from fill_any import closed, ratio, run_arm
-from harness import RESULTS, argument_parser, load_cpu, positive_int, toml_table, write_results
+from harness import (
+    argument_parser,
+    load_cpu,
+    out_argument,
+    positive_int,
+    toml_table,
+    write_results,
+)
 
 from loadtest.sim.shapes import SPLITS, Shape, generate_shape
 
@@ -204,13 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=5.0, help="least modelled s before a window")
     ap.add_argument("--duration", type=float, default=25.0, help="least modelled s measured")
     ap.add_argument("--seed", type=int, default=7, help="loadtest seed (prompts)")
-    ap.add_argument(
-        "--out",
-        nargs="?",
-        const=str(RESULTS / "fill_shapes"),
-        default=None,
-        help="write results (default base: benchmarks/results/fill_shapes)",
-    )
+    out_argument(ap, "fill_shapes")
     args = ap.parse_args(argv)
     given = sys.argv[1:] if argv is None else argv
     args.command = " ".join(["python benchmarks/fill_shapes.py", *given])

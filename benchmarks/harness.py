@@ -40,6 +40,18 @@ RESULTS = REPO / "benchmarks" / "results"
 HOST = "127.0.0.1"
 
 
+def out_argument(ap: argparse.ArgumentParser, name: str) -> None:
+    """``--out [BASE]``: write BASE.md and BASE.json (without BASE: benchmarks/results/<name>)."""
+    ap.add_argument(
+        "--out",
+        nargs="?",
+        const=str(RESULTS / name),
+        default=None,
+        metavar="BASE",
+        help=f"write BASE.md and BASE.json (without BASE: benchmarks/results/{name})",
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
