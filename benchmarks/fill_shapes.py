@@ -34,6 +34,7 @@ from typing import Any
 from fill_any import closed, ratio, run_arm
 from harness import (
     argument_parser,
+    commit,
     load_cpu,
     out_argument,
     positive_int,
@@ -161,7 +162,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], skipped: int, w
     lines = [
         "## Fill generated shapes over real sockets: direct vs through pipefill",
         "",
-        f"Command: `{args.command}`",
+        f"Command: `{args.command}` at {commit()}",
         "",
         f"{len(rows)} {args.parallelism or 'any'}-parallel shapes from seed {args.seed_base} "
         f"(loadtest/sim/shapes.py, acceptance split; {skipped} other or unaffordable in real "

@@ -460,6 +460,20 @@ def write_results(name: str, markdown: str, data: dict[str, Any], out: Path | No
     base.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
+def commit() -> str:
+    """The checkout's commit (short), for a result's header; "unknown" outside git."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def load_cpu() -> str:
     """A note on how busy the machine was (benchmarks on shared cores)."""
     try:

@@ -73,7 +73,6 @@ import argparse
 import math
 import multiprocessing
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -82,7 +81,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from harness import RESULTS, load_cpu, positive_int, write_results
+from harness import RESULTS, commit, load_cpu, positive_int, write_results
 from limit_sim import SimRun, closed_loop_through_limit
 
 from loadtest.sim.profiles import Profile
@@ -90,7 +89,6 @@ from loadtest.sim.shapes import SPLITS, Shape, generate_shape, split_seeds
 from loadtest.sim.tokens import stable_seed
 from proxy.limits import Limit, LimitSettings, make_limit
 
-ROOT = Path(__file__).resolve().parents[1]
 CLIENT_FACTORS = (0.5, 1.0, 2.0)  # x capacity
 GRID_FACTORS = (0.5, 0.7, 1.0, 1.4, 2.0)  # fixed limits, x capacity (extended below if best)
 EXTEND = 1 / math.sqrt(2)  # ...by this factor while the lowest limit is still the best
@@ -488,19 +486,6 @@ def _cost(shape: Shape, clients: int, seeds: int) -> float:
     return rate * (judged + 8 * (p.fixed_warmup_s + p.measure_s))
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--split", choices=sorted(SPLITS), default="tune")
@@ -540,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "split": args.split,
         "command": f"python benchmarks/limit_shapes.py {argv_text}".strip(),
-        "commit": _commit(),
+        "commit": commit(),
         "shapes": len(seeds),
         "seeds": f"{seeds[0]}-{seeds[-1]}",
         "jobs": args.jobs,
