@@ -63,7 +63,7 @@ class LimitControl:
         if not news and not self._complete(b, now, settling):
             return None
         self._told[st] = word
-        w = st.take_window(now)
+        w = st.take_window(now, elsewhere=elsewhere)
         if settling and not w.restarted:
             self._settling[st] = False
             return None

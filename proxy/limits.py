@@ -232,8 +232,8 @@ class AdaptiveLimit:
     backend was not full: with the capacity unknown, sending what waits is what sending straight
     to the backend would do, so it cannot deliver less; a queue it makes is cut back with the
     requests recalled. The first window that carries the server's own ``max_running_requests``
-    (``/server_info``) starts the limit there, with the requests kept ready (``SERVER``,
-    ``_told_level``), and growth stops there. ``HOLD``
+    (``/server_info``) starts the limit there, with the requests kept ready if no other
+    backend could take them (``SERVER``, ``_told_level``), and growth stops there. ``HOLD``
     keeps the capacity; after demand above it for ``FIRST_PROBE_SHARE`` of ``probe_every_s``,
     doubling with each probe that finds the same capacity up to ``probe_every_s``, a
     ``probe_step`` probe
@@ -316,10 +316,10 @@ class AdaptiveLimit:
             return self._back_off(w, Code.ERRORS)
         if self._phase is Phase.START and not self._told and w.max_running is not None:
             # The first word from the server (its /server_info): with no evidence yet, start at
-            # what it says it runs, with the requests kept ready. Never more than sending
-            # straight would put on it, and a cold start needs no windows to get there.
+            # what it says it runs (``_told_level``). Never more than sending straight would
+            # put on it, and a cold start needs no windows to get there.
             self._told = True
-            told = self._told_level(w.max_running)
+            told = self._told_level(w)
             if self._limit < told:
                 return self._set(self._clamp(told), w, Code.SERVER)
         if w.in_flight > w.limit + self._tolerance():
@@ -370,7 +370,7 @@ class AdaptiveLimit:
             self._demand_since = w.start
         if w.end - self._demand_since >= self._probe_wait:
             nxt = self._probe_level()
-            if w.max_running is not None and self._limit >= self._told_level(w.max_running):
+            if w.max_running is not None and self._limit >= self._told_level(w):
                 return None  # the server runs no more than it said: a probe could only queue
             if nxt > self._limit:
                 self._phase = Phase.PROBE
@@ -525,7 +525,7 @@ class AdaptiveLimit:
         if w.max_running is not None:
             # The server runs at most this many: more than the few kept ready would only wait
             # inside it.
-            nxt = min(nxt, max(level, self._told_level(w.max_running)))
+            nxt = min(nxt, max(level, self._told_level(w)))
         return self._set(self._clamp(nxt), w, code)
 
     def _restart(self, w: Window) -> Decision | None:
@@ -581,13 +581,18 @@ class AdaptiveLimit:
         every peak. A few requests bound early cost the proxy little late binding."""
         return math.floor(runs + self._tolerance_at(runs))
 
-    def _told_level(self, max_running: int) -> int:
-        """The limit for a server that says it runs ``max_running``: a capacity like one found,
-        so with the requests kept ready (``_ready``). At exactly its cap, a slot that a step
-        frees stays empty until the proxy's next request has crossed the network, and the step
-        that starts meanwhile runs without it: every request loses about a step, which is a
-        few % of a short answer's time."""
-        return self._ready(max_running)
+    def _told_level(self, w: Window) -> int:
+        """The limit for a server that says it runs ``w.max_running``. Its cap is a count that
+        does not move (unlike a capacity read from what it ran, whose room moves around it), so
+        the one reason to send more is the step: at exactly the cap, a slot that a step frees
+        stays empty until the proxy's next request has crossed the network, and the step that
+        starts meanwhile runs without it (about a step per request, a few % of a short
+        answer). A request kept ready there cannot be bound late, though: where another
+        backend could take it, it may wait behind the slow one while the other frees first
+        (a slow pipeline beside a TP backend: TTFT p99 5.9 -> 8.6 s). So the few are kept
+        ready only where no other backend could take them."""
+        told = int(w.max_running or 0)
+        return told if w.elsewhere else self._ready(told)
 
     def _first_probe_wait(self) -> float:
         return FIRST_PROBE_SHARE * self.settings.probe_every_s

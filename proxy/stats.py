@@ -66,6 +66,8 @@ class Window:
     opaque: float = 0.0
     #: the most requests the server says it runs at once (its ``/server_info``), if it said
     max_running: int | None = None
+    #: another routable backend could take this one's requests (the control loop says)
+    elsewhere: bool = False
 
     @property
     def duration(self) -> float:
@@ -641,8 +643,9 @@ class BackendStats:
     def window_started(self) -> float:
         return self._win.start
 
-    def take_window(self, now: float | None = None) -> Window:
-        """Close the current window and return it; a new one starts at ``now``."""
+    def take_window(self, now: float | None = None, *, elsewhere: bool = False) -> Window:
+        """Close the current window and return it; a new one starts at ``now``. ``elsewhere``:
+        another routable backend could take this one's requests."""
         now = self._clock() if now is None else now
         self._integrate(now)
         w = self._win
@@ -666,6 +669,7 @@ class BackendStats:
             awaiting=w.awaiting_area / span,
             awaiting_min=float(w.awaiting_min),
             max_running=self.scrape.max_running_requests,
+            elsewhere=elsewhere,
             opaque=w.opaque_area / span,
             backlog=self._waiters,
             tokens=w.tokens,

@@ -27,6 +27,8 @@ def test_a_window_lasts_window_s():
 
 
 def test_the_servers_word_ends_the_window_at_once_and_starts_the_limit_there():
+    """Alone, the server keeps a few ready in its queue (they start a step sooner); beside
+    another routable backend, exactly its word (the rest are bound late by the proxy)."""
     clock = FakeClock()
     b = backend(clock)
     control = LimitControl()
@@ -37,6 +39,13 @@ def test_the_servers_word_ends_the_window_at_once_and_starts_the_limit_there():
     assert b.limit.limit == ready(64)
     clock.advance(0.1)
     assert control.tick([b], clock.t) == []  # taken once
+
+    pair = [backend(clock), FakeBackend("b", clock=clock, limit_obj=AdaptiveLimit(floor=8))]
+    for x in pair:
+        x.stats.scrape.max_running_requests = 64
+    clock.advance(0.1)
+    control.tick(pair, clock.t)
+    assert [x.limit.limit for x in pair] == [64, 64]
 
 
 def test_the_window_after_a_change_settles_until_its_requests_had_their_prefill():

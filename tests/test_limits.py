@@ -412,6 +412,24 @@ def test_a_cold_start_begins_where_the_server_says_it_runs():
     assert lim.capacity == 40 and lim.limit == ready(40)
 
 
+def test_the_requests_kept_ready_at_the_servers_cap_only_where_none_could_go_elsewhere():
+    """At exactly its cap a freed slot waits a step for the proxy's next request; a request
+    kept ready there starts at once but can no longer be bound late. So: ready when this is
+    the only backend, exactly the cap when another could take them; growth and probes stop
+    at that level."""
+    for elsewhere, level in ((False, ready(64)), (True, 64)):
+        lim = adaptive(floor=8)
+        w = dataclasses.replace(win(8, 0.0, pressure=0.0, in_flight=0.0), max_running=64)
+        d = lim.update(dataclasses.replace(w, elsewhere=elsewhere))
+        assert d is not None and d.code is Code.SERVER and lim.limit == level
+        demand = win(level, 1.0, backlog=100)
+        assert lim.update(dataclasses.replace(demand, max_running=64, elsewhere=elsewhere)) is None
+        lim._phase = Phase.HOLD
+        held = [dataclasses.replace(win(level, 2 + i, backlog=100), max_running=64,
+                                    elsewhere=elsewhere) for i in range(60)]  # fmt: skip
+        assert feed(lim, held) == [] and lim.limit == level
+
+
 def test_no_probe_at_or_above_what_the_server_says_it_runs():
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40)

@@ -17,7 +17,6 @@ import aiohttp
 import openai
 import pytest
 from conftest import free_port
-from limit_models import ready
 
 from loadtest.sim.profiles import load_profile
 
@@ -410,8 +409,8 @@ async def test_sigterm_grace_period_bounds_the_wait(sims, tmp_path):
 
 async def test_a_cold_start_begins_at_what_the_server_says_it_runs(sims, tmp_path):
     """The proxy asks each backend's /server_info before it serves: the first request already
-    finds each limit at its server's max_running_requests (and the few kept ready in its
-    queue), not at the initial 8."""
+    finds each limit at its server's max_running_requests, not at the initial 8 (exactly: with
+    another backend to take them, no requests are kept ready in either server's queue)."""
     cfg = tmp_path / "proxy.toml"
     _write_config(cfg, [("tp8", sims[0]), ("pp8", sims[1])], FAST)
     with ProxyProc(cfg) as px:
@@ -423,5 +422,5 @@ async def test_a_cold_start_begins_at_what_the_server_says_it_runs(sims, tmp_pat
             assert r.status == 200
             state = {b["name"]: b["limit_state"] for b in (await r.json())["backends"]}
         for name in ("tp8", "pp8"):
-            assert state[name]["limit"] == ready(load_profile(name).max_running_requests)
+            assert state[name]["limit"] == load_profile(name).max_running_requests
             assert state[name]["decision"] == "server"
