@@ -1,7 +1,7 @@
 """Filling the pipeline: a pp8 simulator behind the proxy, closed-loop clients, adaptive vs fixed.
 
-    /work/venv/bin/python benchmarks/adaptive_fill.py                 # ~11 min on 2 cores
-    /work/venv/bin/python benchmarks/adaptive_fill.py --fixed 32,64 --duration 60
+    .venv/bin/python benchmarks/adaptive_fill.py                 # ~11 min on 2 cores
+    .venv/bin/python benchmarks/adaptive_fill.py --fixed 32,64 --duration 60
 
 For the adaptive limit and each fixed limit of a sweep, in turn: a fresh `loadtest sim --profile
 pp8`, a fresh `proxy` in front of it (the backend declared `parallelism = "pp"`, `pp_size = 8`),

@@ -1,7 +1,7 @@
 """Faults: a backend killed, then one stalled, mid-run; no request lost before bytes, recovery.
 
-    /work/venv/bin/python benchmarks/faults.py            # ~1.5 min on 2 cores
-    /work/venv/bin/python benchmarks/faults.py --quick
+    .venv/bin/python benchmarks/faults.py            # ~1.5 min on 2 cores
+    .venv/bin/python benchmarks/faults.py --quick
 
 Three tp8 backends, each in its own `loadtest sim` process, behind the proxy (policy latency,
 adaptive limits), under --clients closed-loop clients for the whole run. On a schedule

@@ -1,7 +1,7 @@
 """Heterogeneous backends: pp8 + tp8 + ep8 simulators behind each routing policy, C = 4, 32, 128.
 
-    /work/venv/bin/python benchmarks/heterogeneous.py            # ~11 min on 2 cores
-    /work/venv/bin/python benchmarks/heterogeneous.py --repeats 1 --quick  # smoke, ~1.5 min
+    .venv/bin/python benchmarks/heterogeneous.py            # ~11 min on 2 cores
+    .venv/bin/python benchmarks/heterogeneous.py --repeats 1 --quick  # smoke, ~1.5 min
 
 For each front end in turn — the proxy with policy `latency`, `round_robin`, `least_in_flight`
 (adaptive limits, the pp backend hinted `pp_size = 8`), and sglang-router 0.3.2 with

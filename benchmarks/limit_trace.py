@@ -1,7 +1,7 @@
 """Traces of the adaptive limit on the simulator's engine model, in virtual time (seconds to run).
 
-    /work/venv/bin/python benchmarks/limit_trace.py            # prints markdown
-    /work/venv/bin/python benchmarks/limit_trace.py --out benchmarks/results/limit_trace.md
+    .venv/bin/python benchmarks/limit_trace.py            # prints markdown
+    .venv/bin/python benchmarks/limit_trace.py --out benchmarks/results/limit_trace.md
 
 No sockets: closed-loop clients go through the proxy's queue and the limit (real
 proxy/limits.py, proxy/stats.py, proxy/policies.py objects on a virtual clock) into the

@@ -1,7 +1,7 @@
 """Overload: open-loop arrivals at twice the measured capacity, with and without admission control.
 
-    /work/venv/bin/python benchmarks/overload.py            # ~1.5 min on 2 cores
-    /work/venv/bin/python benchmarks/overload.py --quick
+    .venv/bin/python benchmarks/overload.py            # ~1.5 min on 2 cores
+    .venv/bin/python benchmarks/overload.py --quick
 
 One run, three phases, each on fresh `loadtest sim` backends (pp8 and tp8, one process each):
 

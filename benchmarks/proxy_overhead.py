@@ -1,7 +1,7 @@
 """What a proxy costs: direct vs pipefill vs nginx vs sglang-router, on the same simulator.
 
-    /work/venv/bin/python benchmarks/proxy_overhead.py            # full run, ~5-6 minutes
-    /work/venv/bin/python benchmarks/proxy_overhead.py --quick    # smoke run, ~1 minute
+    .venv/bin/python benchmarks/proxy_overhead.py            # full run, ~5-6 minutes
+    .venv/bin/python benchmarks/proxy_overhead.py --quick    # smoke run, ~1 minute
     ... --out benchmarks/results/proxy_overhead                   # also write .md and .json
 
 One simulator backend (a custom fixed-cost profile, written to the temp dir: 20 ms per decode

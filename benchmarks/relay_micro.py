@@ -1,7 +1,7 @@
 """What relaying one SSE event costs: proxy CPU per event and per request, synthetic upstream.
 
-    /work/venv/bin/python benchmarks/relay_micro.py            # ~2 minutes
-    /work/venv/bin/python benchmarks/relay_micro.py --quick    # ~40 s smoke run
+    .venv/bin/python benchmarks/relay_micro.py            # ~2 minutes
+    .venv/bin/python benchmarks/relay_micro.py --quick    # ~40 s smoke run
     ... --out benchmarks/results/relay_micro                   # also write .md and .json
 
 No simulator: a synthetic upstream (raw asyncio, uvloop) answers every POST with an SGLang-shaped

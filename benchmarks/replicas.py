@@ -1,7 +1,7 @@
 """Two proxy replicas in front of the same backends vs one proxy: in flight per backend.
 
-    /work/venv/bin/python benchmarks/replicas.py            # ~4 min on 2 cores
-    /work/venv/bin/python benchmarks/replicas.py --repeats 1 --quick
+    .venv/bin/python benchmarks/replicas.py            # ~4 min on 2 cores
+    .venv/bin/python benchmarks/replicas.py --repeats 1 --quick
 
 Phase 1: pp8 + tp8 simulators (one process), one proxy (adaptive limits), --clients closed-loop
 clients (more than the backends' knees together, so the limits decide). Phase 2: fresh
