@@ -370,8 +370,9 @@ class AdaptiveLimit:
             self._demand_since = w.start
         if w.end - self._demand_since >= self._probe_wait:
             nxt = self._probe_level()
-            if w.max_running is not None and self._limit >= self._told_level(w):
-                return None  # the server runs no more than it said: a probe could only queue
+            if w.max_running is not None:
+                # the server runs no more than it said: beyond that a probe could only queue
+                nxt = min(nxt, self._told_level(w))
             if nxt > self._limit:
                 self._phase = Phase.PROBE
                 self._open = 0

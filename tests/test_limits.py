@@ -430,6 +430,17 @@ def test_the_requests_kept_ready_at_the_servers_cap_only_where_none_could_go_els
         assert feed(lim, held) == [] and lim.limit == level
 
 
+def test_a_probe_stops_at_what_the_server_says_it_runs():
+    """A limit held at exactly the server's cap (another backend could take the rest) whose
+    backend is now alone probes only up to the cap plus the requests kept ready."""
+    lim = adaptive(floor=8, initial=64)
+    lim._phase = Phase.HOLD
+    lim.capacity = 64
+    held = [dataclasses.replace(win(64, i, backlog=100), max_running=64) for i in range(60)]
+    decisions = feed(lim, held)
+    assert [d.code for d in decisions] == [Code.PROBE] and lim.limit == ready(64)
+
+
 def test_no_probe_at_or_above_what_the_server_says_it_runs():
     lim = adaptive(floor=1)
     model = BatchModel(max_running=40)
