@@ -237,7 +237,7 @@ class AdaptiveLimit:
     keeps the capacity; after demand above it for ``FIRST_PROBE_SHARE`` of ``probe_every_s``,
     doubling with each probe that finds the same capacity up to ``probe_every_s``, a
     ``probe_step`` probe
-    (``PROBE``; none at or above that level): full again -> back to
+    (``PROBE``; none above that level): full again -> back to
     what it runs; not full for ``REOPEN_WINDOWS`` -> the capacity grew, ``START`` again. Errors
     and stale metrics back off by ``backoff``; a restart resumes at the capacity found. Never
     below ``floor`` (a pipeline's stage count), never above ``max_limit``.
@@ -589,9 +589,9 @@ class AdaptiveLimit:
         stays empty until the proxy's next request has crossed the network, and the step that
         starts meanwhile runs without it (about a step per request, a few % of a short
         answer). A request kept ready there cannot be bound late, though: where another
-        backend could take it, it may wait behind the slow one while the other frees first
-        (a slow pipeline beside a TP backend: TTFT p99 5.9 -> 8.6 s). So the few are kept
-        ready only where no other backend could take them."""
+        backend could take it, it may wait behind a slow backend while the other frees first,
+        which costs more in TTFT than the step gains. So the few are kept ready only where no
+        other backend could take them."""
         told = int(w.max_running or 0)
         return told if w.elsewhere else self._ready(told)
 
