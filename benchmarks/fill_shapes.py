@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fill_any import closed, ratio, run_arm
+from fill_any import closed, f, ratio, run_arm
 from harness import (
     argument_parser,
     commit,
@@ -106,6 +106,11 @@ def lengths(shape: Shape) -> tuple[str, str]:
     return str(shape.input_len), (str(lo) if lo == hi else f"uniform:{lo}-{hi}")
 
 
+def meets(tok_ratio: float | None) -> bool:
+    """The verdict on one shape: via / direct tok/s measured, and at least ``MIN_RATIO``."""
+    return tok_ratio is not None and tok_ratio >= MIN_RATIO
+
+
 def timing(shape: Shape, args: argparse.Namespace) -> tuple[float, float]:
     r = shape.est.request_s
     return max(args.warmup, WARMUP_REQUESTS * r), max(args.duration, WINDOW_REQUESTS * r)
@@ -138,15 +143,11 @@ def run_shape(args: argparse.Namespace, shape: Shape, workdir: Path) -> dict[str
         "proxy": p,
         "tok_ratio": tok,
         "ttft_p99_ratio": ratio(p.get("ttft_p99"), d.get("ttft_p99")),
-        "met": tok is not None and tok >= MIN_RATIO,
+        "met": meets(tok),
     }
 
 
 # -- report -----------------------------------------------------------------------------------
-def f(x: float | None, fmt: str = ".2f") -> str:
-    return "n/a" if x is None else format(x, fmt)
-
-
 def distribution(xs: list[float]) -> str:
     if not xs:
         return "n/a"

@@ -592,8 +592,8 @@ class AdaptiveLimit:
         backend could take it, it may wait behind a slow backend while the other frees first,
         which costs more in TTFT than the step gains. So the few are kept ready only where no
         other backend could take them."""
-        told = int(w.max_running or 0)
-        return told if w.elsewhere else self._ready(told)
+        assert w.max_running is not None, "only for a window that carries the server's word"
+        return w.max_running if w.elsewhere else self._ready(w.max_running)
 
     def _first_probe_wait(self) -> float:
         return FIRST_PROBE_SHARE * self.settings.probe_every_s
