@@ -237,7 +237,8 @@ def run_arm(
     open_loop: bool = False,
     lengths: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Fresh simulators (one process each), the front end (direct | proxy | fixed | router),
+    """Fresh simulators (one process each), the front end (direct | proxy | fixed | router |
+    nginx, which relays to the first),
     one `loadtest run` level; the proxy's /admin/backends polled throughout. ``profiles``:
     names in benchmarks/profiles/ or .toml paths; ``lengths`` as in ``workload``."""
     ts = args.time_scale
@@ -252,6 +253,8 @@ def run_arm(
             url = urls[0]
         elif front == "router":
             url = h.router(urls, "round_robin").url
+        elif front == "nginx":
+            url = h.nginx(urls[0]).url
         else:
             sections: dict[str, Any] = {}
             if open_loop:

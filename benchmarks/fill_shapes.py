@@ -125,9 +125,9 @@ def run_shape(args: argparse.Namespace, shape: Shape, workdir: Path) -> dict[str
     clients = CLIENT_FACTOR * shape.est.capacity
     load, work = closed(clients), lengths(shape)
     label = f"s{shape.seed}"
+    fronts = ("direct", "proxy", "nginx") if args.nginx else ("direct", "proxy")
     arms = {
-        front: run_arm(arm_args, label, [str(path)], front, load, lengths=work)
-        for front in ("direct", "proxy")
+        front: run_arm(arm_args, label, [str(path)], front, load, lengths=work) for front in fronts
     }
     d, p = arms["direct"], arms["proxy"]
     tok = ratio(p.get("output_tok_s"), d.get("output_tok_s"))
@@ -142,6 +142,10 @@ def run_shape(args: argparse.Namespace, shape: Shape, workdir: Path) -> dict[str
         "direct": d,
         "proxy": p,
         "tok_ratio": tok,
+        "nginx": arms.get("nginx"),
+        "nginx_ratio": ratio(arms["nginx"].get("output_tok_s"), d.get("output_tok_s"))
+        if args.nginx
+        else None,
         "ttft_p99_ratio": ratio(p.get("ttft_p99"), d.get("ttft_p99")),
         "met": meets(tok),
     }
@@ -172,16 +176,23 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], skipped: int, w
         f"{args.time_scale}; wall {wall:.0f} s, {load_cpu()}.",
         "",
         "| shape | binds | capacity | clients | window s | direct tok/s | via tok/s | ratio | "
-        "TTFT p99 direct / via s | failed | limit at end | met |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
+        + ("nginx tok/s (/ direct) | " if args.nginx else "")
+        + "TTFT p99 direct / via s | failed | limit at end | met |",
+        "|---|---|---:|---:|---:|---:|---:|---:|"
+        + ("---:|" if args.nginx else "")
+        + "---|---:|---:|---|",
     ]
     for r in rows:
         d, p = r["direct"], r["proxy"]
         lim = ", ".join(str(v) for v in (p.get("limits") or {}).values()) or "n/a"
+        ngx = ""
+        if args.nginx:
+            n = r.get("nginx") or {}
+            ngx = f"{f(n.get('output_tok_s'), '.0f')} ({f(r.get('nginx_ratio'), '.3f')}) | "
         lines.append(
             f"| {r['shape']} | {r['binding']} | {r['capacity']} | {r['clients']} | "
             f"{r['duration_s']:.0f} | {f(d.get('output_tok_s'), '.0f')} | "
-            f"{f(p.get('output_tok_s'), '.0f')} | {f(r['tok_ratio'], '.3f')} | "
+            f"{f(p.get('output_tok_s'), '.0f')} | {f(r['tok_ratio'], '.3f')} | {ngx}"
             f"{f(d.get('ttft_p99'))} / {f(p.get('ttft_p99'))} | "
             f"{(d.get('failed') or 0) + (p.get('failed') or 0)} | {lim} | "
             f"{'yes' if r['met'] else 'NO'} |"
@@ -208,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         type=seed_list,
         default=None,
         help="these shapes (comma-separated seeds, affordable or not) instead of picking",
+    )
+    ap.add_argument(
+        "--nginx",
+        action="store_true",
+        help="also relay each shape through nginx (a reference: what any relay's timing does)",
     )
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--warmup", type=float, default=5.0, help="least modelled s before a window")

@@ -36,6 +36,7 @@ from proxy.limits import LimitSettings
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+NGINX = "/usr/sbin/nginx"  # Debian's nginx (apt-get install nginx-light)
 RESULTS = REPO / "benchmarks" / "results"
 HOST = "127.0.0.1"
 
@@ -125,6 +126,21 @@ def wait_ready(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = 
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} not ready after {timeout} s")
+
+
+def nginx_conf(directory: Path, port: int, backend_port: int) -> Path:
+    """benchmarks/nginx.conf.template filled in for nginx on 127.0.0.1:``port`` relaying to
+    127.0.0.1:``backend_port``, its files under ``directory``; the config's path."""
+    for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (directory / sub).mkdir(parents=True, exist_ok=True)
+    template = (Path(__file__).parent / "nginx.conf.template").read_text()
+    conf = directory / "nginx.conf"
+    conf.write_text(
+        template.replace("{tmp}", str(directory))
+        .replace("{port}", str(port))
+        .replace("{backend_port}", str(backend_port))
+    )
+    return conf
 
 
 def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
@@ -257,6 +273,19 @@ class Harness:
         cfg.write_text(config)
         port = _toml_port(config)
         child = self._spawn(name, [str(BIN / "proxy"), "--config", str(cfg)])
+        child.url = f"http://{HOST}:{port}"
+        wait_ready(f"{child.url}/health", proc=child.proc)
+        return child
+
+    def nginx(self, backend_url: str, *, name: str = "nginx") -> Child:
+        """nginx (Debian's, one worker, ``proxy_buffering off``) relaying to ``backend_url``:
+        a relay written in C, as the reference for what any proxy's timing does."""
+        port = free_port()
+        conf = nginx_conf(self.workdir / name, port, int(backend_url.rsplit(":", 1)[1]))
+        ngx = conf.parent
+        child = self._spawn(
+            name, [NGINX, "-p", str(ngx), "-c", str(conf), "-e", str(ngx / "error.log")]
+        )
         child.url = f"http://{HOST}:{port}"
         wait_ready(f"{child.url}/health", proc=child.proc)
         return child

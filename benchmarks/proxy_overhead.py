@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import NGINX, nginx_conf  # a script beside this one
+
 ROOT = Path(__file__).resolve().parent.parent
-NGINX = "/usr/sbin/nginx"
 MODEL = "bench/fast"
 CLIENT_CPU = "0"  # simulator + load generator
 PROXY_CPU = "1"  # the proxy under test
@@ -508,16 +509,8 @@ def start_nginx(ch: Children, tmp: Path, backend_port: int, cpu: str) -> tuple[C
     """nginx (one worker, its files in ``tmp``) relaying to 127.0.0.1:``backend_port``; the
     child and the port it listens on."""
     port = free_port()
-    ngx = tmp / "nginx"
-    for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (ngx / sub).mkdir(parents=True, exist_ok=True)
-    conf = ngx / "nginx.conf"
-    template = (Path(__file__).parent / "nginx.conf.template").read_text()
-    conf.write_text(
-        template.replace("{tmp}", str(ngx))
-        .replace("{port}", str(port))
-        .replace("{backend_port}", str(backend_port))
-    )
+    conf = nginx_conf(tmp / "nginx", port, backend_port)
+    ngx = conf.parent
     argv = [NGINX, "-p", str(ngx), "-c", str(conf), "-e", str(ngx / "error.log")]
     return ch.start("nginx", argv, cpu=cpu), port
 

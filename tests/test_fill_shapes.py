@@ -4,6 +4,7 @@ each simulator, and its verdict (no servers: the pure parts a bug would misrepor
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import fill_shapes
-from harness import toml_table
+from harness import NGINX, nginx_conf, toml_table
 
 from loadtest.sim.profiles import Profile
 from loadtest.sim.shapes import generate_shape
@@ -82,9 +83,42 @@ def test_report_counts_a_shape_under_the_bar_or_unmeasured_as_not_met():
 
     rows = [row(1, 100.0, 96.0), row(2, 100.0, 94.0), row(3, 0.0, 50.0)]
     assert [r["met"] for r in rows] == [True, False, False]
-    args = argparse.Namespace(command="x", parallelism=None, seed_base=9000, time_scale=1.0)
+    args = argparse.Namespace(
+        command="x", parallelism=None, seed_base=9000, time_scale=1.0, nginx=False
+    )
     md = fill_shapes.report(args, rows, skipped=2, wall=10.0)
     assert "VERDICT: 1/3 shapes" in md and "NOT met" in md
+
+
+def test_report_with_the_nginx_reference_shows_its_ratio_and_keeps_the_verdict():
+    row = {"shape": "s1", "binding": "kv", "capacity": 8, "clients": 16, "duration_s": 25.0,
+           "direct": {"output_tok_s": 100.0}, "proxy": {"output_tok_s": 100.0},
+           "nginx": {"output_tok_s": 108.0}, "nginx_ratio": 1.08, "tok_ratio": 1.0,
+           "met": True}  # fmt: skip
+    args = argparse.Namespace(
+        command="x", parallelism=None, seed_base=9000, time_scale=1.0, nginx=True
+    )
+    md = fill_shapes.report(args, [row], skipped=0, wall=10.0)
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    header, rule, cells = (line.strip("|").split("|") for line in table)
+    assert len(header) == len(rule) == len(cells)
+    assert cells[header.index(" nginx tok/s (/ direct) ")].strip() == "108 (1.080)"
+    assert "VERDICT: 1/1 shapes" in md
+
+
+def test_nginx_config_relays_to_the_backend_port(tmp_path):
+    conf = nginx_conf(tmp_path / "ngx", 18001, 18002)
+    text = conf.read_text()
+    assert "listen 127.0.0.1:18001;" in text and "server 127.0.0.1:18002;" in text
+    assert "{" + "port}" not in text and all((conf.parent / d).is_dir() for d in ("proxy",))
+    if not Path(NGINX).exists():
+        pytest.skip("nginx not installed")
+    check = subprocess.run(
+        [NGINX, "-t", "-p", str(conf.parent), "-c", str(conf), "-e", str(tmp_path / "e.log")],
+        capture_output=True,
+        timeout=10,
+    )
+    assert check.returncode == 0, check.stderr
 
 
 def test_tune_seeds_are_refused_before_anything_starts(monkeypatch):
