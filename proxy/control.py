@@ -11,6 +11,10 @@ the virtual-time harness (tests/limit_sim.py) calls it the same way. One backend
    have had their prefill (at most ``SETTLED_AWAITING`` of the limit, or two requests, still
    without a first token) or after ``max_window_s`` — a raise is not judged inside its own
    prefill wave, and a backend that keeps requests waiting shows it in the windows after.
+   Demand arriving under the limit admits a wave just as a raise does (a cold start's
+   clients all at once, after the server's word set the limit with nothing in flight): a
+   window in which what is in flight rose by more than a settled window leaves waiting is
+   followed by a settling window too.
 2. Close it (:meth:`proxy.stats.BackendStats.take_window`) and give it to ``limit.update``.
 3. If the limit changed: tell the stats (time at the limit is measured against it), and if it
    fell below what is in flight, recall requests the backend has not started answering (newest
@@ -44,6 +48,8 @@ class LimitControl:
         self._told: weakref.WeakKeyDictionary[BackendStats, int | None] = (
             weakref.WeakKeyDictionary()
         )
+        #: requests each backend had in flight when its last window closed
+        self._closed_at: weakref.WeakKeyDictionary[BackendStats, int] = weakref.WeakKeyDictionary()
 
     def tick(self, backends: list[Routed], now: float) -> list[tuple[Routed, Decision]]:
         """Feed every backend whose window is complete; returns the decisions made."""
@@ -64,6 +70,8 @@ class LimitControl:
             return None
         self._told[st] = word
         w = st.take_window(now, elsewhere=elsewhere)
+        wave = b.in_flight - self._closed_at.get(st, 0) > _settled(b)
+        self._closed_at[st] = b.in_flight
         if settling and not w.restarted:
             self._settling[st] = False
             return None
@@ -75,6 +83,8 @@ class LimitControl:
             return None
         after = lim.limit
         if after == before:
+            if wave:  # demand arrived at once: its requests have their prefill before a verdict
+                self._settling[st] = True
             return d
         self._settling[st] = True
         st.observe_in_flight(b.in_flight, after, now)
@@ -91,5 +101,10 @@ class LimitControl:
         if age >= s.max_window_s:
             return True
         if settling:
-            return b.stats.awaiting <= max(2.0, SETTLED_AWAITING * b.limit.limit)
+            return b.stats.awaiting <= _settled(b)
         return age >= s.window_s
+
+
+def _settled(b: Routed) -> float:
+    """Requests still without a first token that a settled window may leave."""
+    return max(2.0, SETTLED_AWAITING * b.limit.limit)

@@ -70,6 +70,40 @@ def test_the_window_after_a_change_settles_until_its_requests_had_their_prefill(
     assert b.stats.window_started == clock.t
 
 
+def test_demand_arriving_at_once_settles_like_a_raise():
+    """The server's word set the limit with nothing in flight; then the clients all arrive.
+    Their wait for prefill behind each other is not a queue: the window after the one they
+    arrived in ends unjudged once they had their prefill (or after max_window_s), so no cut is
+    read from the wave; a backend that still keeps them waiting is cut in the windows after.
+    Demand that grows by a few is judged as ever."""
+    clock = FakeClock()
+    b = backend(clock)
+    control = LimitControl()
+    b.stats.scrape.max_running_requests = 64
+    clock.advance(0.1)
+    control.tick([b], clock.t)  # the server's word, nothing in flight yet
+    clock.advance(0.1)
+    control.tick([b], clock.t)  # its settling window ends at once: nothing waits
+    assert b.limit.limit == ready(64)
+    keys = [b.stats.observe_sent() for _ in range(40)]  # the clients arrive, all at once
+    b.in_flight = 40
+    b.stats.observe_in_flight(40, b.limit.limit)
+    clock.advance(1.0)
+    assert control.tick([b], clock.t) == []  # the window they arrived in
+    for _ in range(4):  # 40 still wait for a first token: settling, unjudged, for 4 s more
+        clock.advance(1.0)
+        assert control.tick([b], clock.t) == []
+    assert b.limit.decision.code is Code.SERVER
+    for k in keys[:20]:
+        b.stats.observe_answered(key=k)
+    clock.advance(1.0)
+    control.tick([b], clock.t)  # max_window_s: the settling window ends, unjudged
+    for _ in range(2):  # 20 of them wait all along two windows: a queue, cut to what it runs
+        clock.advance(1.0)
+        control.tick([b], clock.t)
+    assert b.limit.decision.code is Code.FULL and b.limit.limit < 40
+
+
 @pytest.mark.parametrize("alone", [False, True])
 def test_a_limit_that_falls_below_what_is_in_flight_recalls_the_unanswered(alone):
     """...so that they bind to whichever backend frees first; with no other backend to go to,
@@ -87,6 +121,8 @@ def test_a_limit_that_falls_below_what_is_in_flight_recalls_the_unanswered(alone
     b.stats.observe_scrape(ok=True, queue_reqs=6.0, running_reqs=4.0)
     clock.advance(1.0)
     control.tick(fleet, clock.t)  # the window the requests were sent in
+    clock.advance(5.0)
+    control.tick(fleet, clock.t)  # the wave's settling window (max_window_s), unjudged
     for _ in range(2):  # full two windows in a row: 6 of ours waited all along
         clock.advance(1.0)
         control.tick(fleet, clock.t)
