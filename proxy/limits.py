@@ -221,8 +221,9 @@ class AdaptiveLimit:
     in-flight count minus the smallest excess seen, and the limit that plus the tolerance,
     which the backend keeps ready (``_ready``). A cut that took what the backend ran rather
     than what it kept waiting is undone (``_undo_cut``), and no cut goes below it again.
-    Windows right after a change are
-    not judged (proxy/control.py waits until the change's requests had their prefill), nor
+    Windows right after a change,
+    or after demand arrived at once, are not judged (proxy/control.py waits until those
+    requests had their prefill), nor
     windows with more in flight than the limit (draining: what the backend shows was sent
     before), except that one showing none of it waiting after a ``full`` cut clears the cut
     (``_cleared``).
