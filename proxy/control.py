@@ -39,7 +39,8 @@ SETTLED_AWAITING = 0.1
 
 
 class LimitControl:
-    """Windows and decisions for every backend (state: which backends are settling)."""
+    """Windows and decisions for every backend (state: which backends are settling, and what
+    each had in flight when its last window closed)."""
 
     def __init__(self) -> None:
         self._settling: weakref.WeakKeyDictionary[BackendStats, bool]
