@@ -96,7 +96,13 @@ def closed_loop_through_proxy(
     tick_s: float = 0.25,
     scrape_interval_s: float | None = 1.0,
     seed: int = 0,
+    clients_at_s: float = 0.0,
 ) -> SimRun:
+    """``clients`` closed-loop clients through the proxy's queue, limits and ``policy`` into the
+    backends' schedulers, for ``duration_s`` modelled seconds. The proxy scrapes the backends
+    once before anything else (the server's word reaches the limits at t = 0); the clients
+    arrive together at ``clients_at_s``: at 0 with the word, or later, as a real proxy, which
+    scrapes on start, meets them."""
     clock = [0.0]
     backends = []
     for i, (prof, lim) in enumerate(zip(profiles, limits, strict=True)):
@@ -218,16 +224,24 @@ def closed_loop_through_proxy(
         # as the proxy: one scrape before the first request, and the limits told of it
         scrape(0.0)
         control.tick(backends, 0.0)
-    queued.extend([0.0] * clients)
-    dispatch(0.0)
+    arrival: float | None = clients_at_s
+    if clients_at_s <= 0.0:
+        queued.extend([0.0] * clients)
+        dispatch(0.0)
+        arrival = None
     next_tick = tick_s
     next_scrape = scrape_interval_s or float("inf")
     while True:
         t, due = min(((b.sched.next_time(), b) for b in backends), key=_key)
-        t = min(x for x in (t, next_tick, next_scrape) if x is not None)
+        t = min(x for x in (t, next_tick, next_scrape, arrival) if x is not None)
         if t >= duration_s:
             break
         clock[0] = t
+        if arrival is not None and arrival <= t:
+            queued.extend([t] * clients)
+            dispatch(t)
+            arrival = None
+            continue
         if due is not None and due.sched.next_time() is not None and due.sched.next_time() <= t:
             due.sched.advance(t)
             continue
