@@ -129,7 +129,7 @@ def run_shape(args: argparse.Namespace, shape: Shape, workdir: Path) -> dict[str
     arms = {
         front: run_arm(arm_args, label, [str(path)], front, load, lengths=work) for front in fronts
     }
-    d, p = arms["direct"], arms["proxy"]
+    d, p, ngx = arms["direct"], arms["proxy"], arms.get("nginx")
     tok = ratio(p.get("output_tok_s"), d.get("output_tok_s"))
     return {
         "shape": shape.name,
@@ -142,10 +142,8 @@ def run_shape(args: argparse.Namespace, shape: Shape, workdir: Path) -> dict[str
         "direct": d,
         "proxy": p,
         "tok_ratio": tok,
-        "nginx": arms.get("nginx"),
-        "nginx_ratio": ratio(arms["nginx"].get("output_tok_s"), d.get("output_tok_s"))
-        if args.nginx
-        else None,
+        "nginx": ngx,
+        "nginx_ratio": ratio(ngx.get("output_tok_s"), d.get("output_tok_s")) if ngx else None,
         "ttft_p99_ratio": ratio(p.get("ttft_p99"), d.get("ttft_p99")),
         "met": meets(tok),
     }

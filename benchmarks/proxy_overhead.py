@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import NGINX, nginx_conf  # a script beside this one
+from harness import NGINX, free_port, nginx_conf  # a script beside this one
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench/fast"
@@ -111,12 +110,6 @@ class BenchError(Exception):
 
 
 # ---- child processes --------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
