@@ -2,7 +2,10 @@
 
 Every ``interval_s`` each backend's ``/metrics`` is fetched and reduced to four numbers, landed in
 ``backend.stats.observe_scrape`` (and once, and after each restart, ``/server_info``'s
-``max_running_requests``: the most requests the server says it runs at once).
+``max_running_requests``: the most requests the server says it runs at once). A backend that
+answers 404 for ``/metrics`` (SGLang's default: metrics need ``--enable-metrics``) is not
+scraped again, but its ``/server_info`` is still asked: what it runs at most is then the only
+word the limit gets from the server.
 
 How the series are combined follows SGLang's metrics collector (the label sets its schedulers
 write, see docs/limits-and-routing.md):
@@ -240,12 +243,13 @@ class Scraper:
     async def scrape_once(self, backend: Any) -> bool:
         """Scrape one backend and land the result in its stats. Returns success."""
         stats = backend.stats
-        if backend.name in self.unsupported:
-            return False
-        stats.stale_after_s = self.stale_after_s
         api_key = backend.api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         base = str(backend.url).rstrip("/")
+        if backend.name in self.unsupported:
+            await self._ask_server_info(backend, base, headers)
+            return False
+        stats.stale_after_s = self.stale_after_s
         try:
             values = parse_metrics((await self._get(base + self.s.path, headers)).decode())
             if self.s.use_loads:
@@ -262,6 +266,8 @@ class Scraper:
                 )
                 self.unsupported.add(backend.name)
                 stats.stale_after_s = None
+                # its word on what it runs is served without metrics, and is then all it says
+                await self._ask_server_info(backend, base, headers)
                 return False
             stats.observe_scrape(ok=False, error=str(e))
             return False
@@ -269,10 +275,18 @@ class Scraper:
             stats.observe_scrape(ok=False, error=f"{type(e).__name__}: {e}"[:200])
             return False
         stats.observe_scrape(ok=True, **values)
-        if self._info_asked.get(backend.name) != stats.scrape.restarts:
-            self._info_asked[backend.name] = stats.scrape.restarts
-            stats.scrape.max_running_requests = await self._server_info(base, headers)
+        await self._ask_server_info(backend, base, headers)
         return True
+
+    async def _ask_server_info(
+        self, backend: Any, base: str, headers: dict[str, str] | None
+    ) -> None:
+        """Once, and again after each restart the metrics show (without metrics: once)."""
+        stats = backend.stats
+        if self._info_asked.get(backend.name) == stats.scrape.restarts:
+            return
+        self._info_asked[backend.name] = stats.scrape.restarts
+        stats.scrape.max_running_requests = await self._server_info(base, headers)
 
     async def _loads(self, name: str, base: str, headers: dict[str, str] | None) -> bytes:
         """The load report: ``/v1/loads`` where the server has it, else ``/get_load``."""

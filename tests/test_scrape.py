@@ -157,6 +157,23 @@ async def test_scraper_failure_and_404():
         await runner.cleanup()
 
 
+async def test_a_backend_without_metrics_is_still_asked_what_it_runs():
+    # SGLang's default (no --enable-metrics): /metrics is 404, /server_info is served
+    runner, url = await _serve({"/metrics": 404, "/server_info": b'{"max_running_requests": 64}'})
+    b = FakeBackend("nometrics", url=url)
+    scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
+    try:
+        assert not await scraper.scrape_once(b)
+        assert "nometrics" in scraper.unsupported and not b.stats.scrape_stale()
+        assert b.stats.take_window().max_running == 64
+        b.stats.scrape.max_running_requests = None  # asked once: no restart can be seen
+        assert not await scraper.scrape_once(b)
+        assert b.stats.scrape.max_running_requests is None
+    finally:
+        await scraper.close()
+        await runner.cleanup()
+
+
 def test_parse_server_info_takes_max_running_requests_only_when_it_is_one():
     assert parse_server_info(b'{"max_running_requests": 64, "pp_size": 4}') == 64
     bad = ["null", "0", '"64"', "true"]
