@@ -27,6 +27,7 @@ async def running_sim(
     overrides: dict | None = None,
     radix_cache: bool = True,
     enable_cache_report: bool = False,
+    enable_metrics: bool = True,
     **faults: object,
 ) -> AsyncIterator[tuple[str, SimBackend]]:
     prof = load_profile(profile)
@@ -38,6 +39,7 @@ async def running_sim(
         time_scale=time_scale,
         radix_cache=radix_cache,
         enable_cache_report=enable_cache_report,
+        enable_metrics=enable_metrics,
         faults=Faults(FaultConfig(**faults)),
         trace=io.BytesIO() if trace else None,
     )

@@ -457,6 +457,20 @@ async def test_metrics_one_series_per_dp_rank():
     assert all(f'dp_rank="{r}"' in k and f'tp_rank="{r}"' in k for k in keys for r in [_dp(k)])
 
 
+async def test_without_metrics_only_metrics_is_404():
+    # SGLang started without --enable-metrics: no /metrics, the rest as always
+    async with running_sim("pp8", enable_metrics=False) as (url, backend):
+        async with aiohttp.ClientSession(url) as s:
+            async with s.get("/metrics") as r:
+                assert r.status == 404
+            async with s.get("/server_info") as r:
+                info = await r.json()
+            async with s.get("/get_load") as r:
+                assert r.status == 200
+    assert info["enable_metrics"] is False
+    assert info["max_running_requests"] == backend.profile.max_running_requests
+
+
 def _dp(key: str) -> str:
     return key.split('dp_rank="')[1].split('"')[0]
 

@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="report cached prompt tokens in OpenAI usage.prompt_tokens_details (as SGLang's "
         "flag; /generate's meta_info.cached_tokens is always there)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-metrics", action="store_true",
+        help="serve no /metrics (404), as SGLang started without --enable-metrics (its default)",
+    )  # fmt: skip
     add_fault_arguments(parser)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _profiles_epilog()
@@ -123,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed + i,
             radix_cache=not args.disable_radix_cache,
             enable_cache_report=args.enable_cache_report,
+            enable_metrics=not args.no_metrics,
             faults=Faults(fault_config.model_copy(), seed=args.seed + i),
             trace=trace,
         )

@@ -301,7 +301,7 @@ def server_args(backend) -> dict:
         "max_total_tokens": p.max_total_tokens,
         "decode_log_interval": p.decode_log_interval,
         "stream_interval": 1,
-        "enable_metrics": True,
+        "enable_metrics": backend.enable_metrics,
         "enable_dp_attention": p.dp_size > 1,
         "incremental_streaming_output": False,
         "skip_server_warmup": False,
@@ -411,5 +411,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    if not request.app[BACKEND].enable_metrics:
+        raise web.HTTPNotFound()  # SGLang serves no /metrics without --enable-metrics
     body = request.app[BACKEND].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_METRICS})

@@ -47,6 +47,7 @@ class SimBackend:
     seed: int = 0
     radix_cache: bool = True  # SGLang's prefix cache (off: --disable-radix-cache)
     enable_cache_report: bool = False  # usage.prompt_tokens_details.cached_tokens (OpenAI)
+    enable_metrics: bool = True  # /metrics (off: 404, as SGLang without --enable-metrics)
     faults: Faults = field(default_factory=Faults)
     trace: IO[bytes] | None = None
     engine: Any = None
