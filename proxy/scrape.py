@@ -187,6 +187,22 @@ def parse_loads(body: bytes) -> dict[str, float | None]:
 parse_get_load = parse_loads  # the older name
 
 
+def parse_loads_max_running(body: bytes) -> int | None:
+    """``/v1/loads``' ``max_running_requests``, summed over DP ranks (each rank's scheduler runs
+    its own); None unless every rank reports a positive whole number."""
+    report = orjson.loads(body)
+    rows = report.get("loads") if isinstance(report, dict) else None
+    if not isinstance(rows, list) or not rows:
+        return None
+    total = 0
+    for row in rows:
+        value = row.get("max_running_requests") if isinstance(row, dict) else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return None
+        total += value
+    return total
+
+
 #: where a server reports its load, newest first (``/get_load`` is deprecated in SGLang and
 #: logs a warning per call)
 LOAD_PATHS = ("/v1/loads", "/get_load")
@@ -304,16 +320,31 @@ class Scraper:
 
     async def _server_info(self, base: str, headers: dict[str, str] | None) -> int | None:
         """What the server says it runs at most; asked once, and again after a restart. Newer
-        SGLang serves ``/server_info``, older ``/get_server_info``; no answer is no hint."""
-        for path in ("/server_info", "/get_server_info"):
-            try:
-                return parse_server_info(await self._get(base + path, headers))
-            except asyncio.CancelledError:
-                raise
-            except _NotServed:
-                continue
-            except Exception:
-                return None
+        SGLang serves ``/server_info``, older ``/get_server_info``; no answer is no hint.
+
+        ``/server_info`` repeats the server's arguments: its ``max_running_requests`` is null
+        unless the operator set ``--max-running-requests``. What the scheduler derived from its
+        memory is then only in the load report, ``/v1/loads``, per DP rank."""
+        for paths, parse in (
+            (("/server_info", "/get_server_info"), parse_server_info),
+            (("/v1/loads",), parse_loads_max_running),
+        ):
+            for path in paths:
+                try:
+                    body = await self._get(base + path, headers)
+                except asyncio.CancelledError:
+                    raise
+                except _NotServed:
+                    continue
+                except Exception:
+                    return None
+                try:
+                    value = parse(body)
+                except ValueError:  # not JSON (orjson's error is one)
+                    value = None
+                if value is not None:
+                    return value
+                break  # served, without the number: the next source
         return None
 
     async def scrape_all(self) -> None:

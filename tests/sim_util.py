@@ -28,6 +28,7 @@ async def running_sim(
     radix_cache: bool = True,
     enable_cache_report: bool = False,
     enable_metrics: bool = True,
+    max_running_arg: bool = True,
     **faults: object,
 ) -> AsyncIterator[tuple[str, SimBackend]]:
     prof = load_profile(profile)
@@ -40,6 +41,7 @@ async def running_sim(
         radix_cache=radix_cache,
         enable_cache_report=enable_cache_report,
         enable_metrics=enable_metrics,
+        max_running_arg=max_running_arg,
         faults=Faults(FaultConfig(**faults)),
         trace=io.BytesIO() if trace else None,
     )

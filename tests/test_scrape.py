@@ -16,6 +16,7 @@ from proxy.scrape import (
     ScrapeSettings,
     parse_get_load,
     parse_loads,
+    parse_loads_max_running,
     parse_metrics,
     parse_server_info,
 )
@@ -169,6 +170,34 @@ async def test_a_backend_without_metrics_is_still_asked_what_it_runs():
         b.stats.scrape.max_running_requests = None  # asked once: no restart can be seen
         assert not await scraper.scrape_once(b)
         assert b.stats.scrape.max_running_requests is None
+    finally:
+        await scraper.close()
+        await runner.cleanup()
+
+
+def test_parse_loads_max_running_sums_the_ranks_only_when_each_says_it():
+    rows = b'{"loads": [{"dp_rank": 0, "max_running_requests": 32}, '
+    assert parse_loads_max_running(rows + b'{"dp_rank": 1, "max_running_requests": 32}]}') == 64
+    assert parse_loads_max_running(rows + b'{"dp_rank": 1, "max_running_requests": null}]}') is None
+    for body in [b"{}", b'{"loads": []}', b"[]", b'{"loads": [7]}']:
+        assert parse_loads_max_running(body) is None
+
+
+async def test_max_running_left_to_the_scheduler_is_read_from_its_load_report():
+    # no --max-running-requests: /server_info has null, the scheduler's value is per DP rank
+    runner, url = await _serve(
+        {
+            "/metrics": 404,
+            "/server_info": b'{"max_running_requests": null, "dp_size": 2}',
+            "/v1/loads": b'{"loads": [{"dp_rank": 0, "max_running_requests": 48}, '
+            b'{"dp_rank": 1, "max_running_requests": 48}]}',
+        }
+    )
+    b = FakeBackend("a", url=url)
+    scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
+    try:
+        await scraper.scrape_all()
+        assert b.stats.scrape.max_running_requests == 96
     finally:
         await scraper.close()
         await runner.cleanup()

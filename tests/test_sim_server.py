@@ -471,6 +471,20 @@ async def test_without_metrics_only_metrics_is_404():
     assert info["max_running_requests"] == backend.profile.max_running_requests
 
 
+async def test_max_running_left_to_the_scheduler_is_only_in_the_load_report():
+    async with running_sim("ep8", max_running_arg=False) as (url, backend):
+        async with aiohttp.ClientSession(url) as s:
+            async with s.get("/server_info") as r:
+                info = await r.json()
+            async with s.get("/v1/loads") as r:
+                loads = (await r.json())["loads"]
+    assert info["max_running_requests"] is None
+    assert len(loads) == backend.profile.dp_size > 1
+    assert sum(row["max_running_requests"] for row in loads) == (
+        backend.profile.max_running_requests
+    )
+
+
 def _dp(key: str) -> str:
     return key.split('dp_rank="')[1].split('"')[0]
 

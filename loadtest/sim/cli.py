@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-metrics", action="store_true",
         help="serve no /metrics (404), as SGLang started without --enable-metrics (its default)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-running-unset", action="store_true",
+        help="/server_info says max_running_requests null, as SGLang does when "
+        "--max-running-requests was not given (its scheduler's value is in /v1/loads)",
+    )  # fmt: skip
     add_fault_arguments(parser)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _profiles_epilog()
@@ -128,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             radix_cache=not args.disable_radix_cache,
             enable_cache_report=args.enable_cache_report,
             enable_metrics=not args.no_metrics,
+            max_running_arg=not args.max_running_unset,
             faults=Faults(fault_config.model_copy(), seed=args.seed + i),
             trace=trace,
         )

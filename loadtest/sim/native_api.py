@@ -297,7 +297,8 @@ def server_args(backend) -> dict:
         "ep_size": p.ep_size,
         "dp_size": p.dp_size,
         "context_length": p.context_length,
-        "max_running_requests": p.max_running_requests,
+        # the argument as given: null when the operator left it to the scheduler
+        "max_running_requests": p.max_running_requests if backend.max_running_arg else None,
         "max_total_tokens": p.max_total_tokens,
         "decode_log_interval": p.decode_log_interval,
         "stream_interval": 1,

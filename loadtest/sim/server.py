@@ -48,6 +48,9 @@ class SimBackend:
     radix_cache: bool = True  # SGLang's prefix cache (off: --disable-radix-cache)
     enable_cache_report: bool = False  # usage.prompt_tokens_details.cached_tokens (OpenAI)
     enable_metrics: bool = True  # /metrics (off: 404, as SGLang without --enable-metrics)
+    #: /server_info's max_running_requests is the profile's, as if the operator passed
+    #: --max-running-requests; off: null there, the scheduler's value only in /v1/loads
+    max_running_arg: bool = True
     faults: Faults = field(default_factory=Faults)
     trace: IO[bytes] | None = None
     engine: Any = None
