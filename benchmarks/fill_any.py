@@ -202,12 +202,16 @@ def entries(urls: list[str], profiles: list[str], fixed: dict[str, int] | None =
     return out
 
 
-def sim_served(url: str) -> int:
-    """Requests the simulator finished (its own counter): who got the traffic."""
+def sim_served(url: str) -> int | None:
+    """Requests the simulator finished (its own counter): who got the traffic (None when it
+    serves no metrics)."""
+    text = get_text(f"{url}/metrics")
+    if not text:
+        return None
     return int(
         sum(
             float(line.rsplit(" ", 1)[1])
-            for line in get_text(f"{url}/metrics").splitlines()
+            for line in text.splitlines()
             if line.startswith("sglang:num_requests_total")
         )
     )
@@ -242,10 +246,11 @@ def run_arm(
     one `loadtest run` level; the proxy's /admin/backends polled throughout. ``profiles``:
     names in benchmarks/profiles/ or .toml paths; ``lengths`` as in ``workload``."""
     ts = args.time_scale
+    sim_extra = SGLANG_DEFAULTS if args.sglang_defaults else []
     print(f"-- {label}: {front} ...", flush=True)
     with Harness(f"fill_any-{label}-{front}", time_scale=ts) as h:
         urls = [
-            h.sim([profile_file(p)], name=f"sim-{backend_name(p)}", seed=1 + i).url
+            h.sim([profile_file(p)], name=f"sim-{backend_name(p)}", seed=1 + i, extra=sim_extra).url
             for i, p in enumerate(profiles)
         ]
         proxied = front in ("proxy", "fixed")
@@ -284,6 +289,20 @@ def run_arm(
     if open_loop:
         row.update(sent_in_window(res))
     return row
+
+
+#: `loadtest sim` flags for a server started as SGLang is by default: no /metrics (they need
+#: --enable-metrics) and max_running_requests left to the scheduler (null in /server_info)
+SGLANG_DEFAULTS = ["--no-metrics", "--max-running-unset"]
+
+
+def sglang_defaults_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--sglang-defaults",
+        action="store_true",
+        help="simulators started as SGLang is by default: no /metrics, max_running_requests "
+        "only in /v1/loads (the proxy hears that and its own requests, no gauges)",
+    )
 
 
 def closed(clients: int) -> list[str]:
@@ -551,6 +570,7 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=5.0, help="open: queue deadline, modelled s")
     ap.add_argument("--seed", type=int, default=7, help="loadtest seed (prompts, arrivals)")
     ap.add_argument("--repeats", type=positive_int, default=1, help="rounds of every section")
+    sglang_defaults_argument(ap)
     out_argument(ap, "fill_any")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]

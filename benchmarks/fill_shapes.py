@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fill_any import closed, f, ratio, run_arm
+from fill_any import closed, f, ratio, run_arm, sglang_defaults_argument
 from harness import (
     argument_parser,
     commit,
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=5.0, help="least modelled s before a window")
     ap.add_argument("--duration", type=float, default=25.0, help="least modelled s measured")
     ap.add_argument("--seed", type=int, default=7, help="loadtest seed (prompts)")
+    sglang_defaults_argument(ap)
     out_argument(ap, "fill_shapes")
     args = ap.parse_args(argv)
     given = sys.argv[1:] if argv is None else argv

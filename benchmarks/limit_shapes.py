@@ -100,6 +100,20 @@ MAX_TTFT_P99 = 1.2  # adaptive / best fixed's, every case
 
 #: workload seeds each case is judged on (apart from the one the best fixed limit is selected on)
 EVAL_SEEDS = 2
+#: what the proxy hears from the backend (``--evidence``), as deployments decide: SGLang's
+#: gauges need ``--enable-metrics`` (off by default), and a server that is not SGLang may not
+#: say its ``max_running_requests`` either. Only the adaptive runs change: a fixed limit hears
+#: nothing.
+EVIDENCE = {
+    "full": {"gauges": True, "word": True},  # /metrics and /server_info
+    "word": {"gauges": False, "word": True},  # SGLang's default: /server_info, no /metrics
+    "none": {"gauges": False, "word": False},  # neither: our own request counts only
+}
+EVIDENCE_TEXT = {
+    "full": "SGLang's gauges and `/server_info`",
+    "word": "`/server_info` but no gauges (SGLang without `--enable-metrics`)",
+    "none": "neither gauges nor `/server_info`: only its own requests",
+}
 REACHED = 0.9  # report when the adaptive limit first reached this x the best fixed limit
 WORST = 15  # cases in the table of the worst
 
@@ -176,7 +190,12 @@ def measure(run: SimRun, t0: float, t1: float) -> Measured:
 
 
 def _run(
-    shape: Shape, clients: int, limit: Limit, duration_s: float, seed: int | None = None
+    shape: Shape,
+    clients: int,
+    limit: Limit,
+    duration_s: float,
+    seed: int | None = None,
+    evidence: str = "full",
 ) -> SimRun:
     return closed_loop_through_limit(
         shape.profile,
@@ -186,6 +205,7 @@ def _run(
         input_len=shape.input_len,
         output_len=shape.output_len,
         seed=shape.seed if seed is None else seed,
+        **EVIDENCE[evidence],
     )
 
 
@@ -213,11 +233,11 @@ class _Judged:
     reached_s: float | None
 
 
-def _judge(shape: Shape, clients: int, best_n: int, p: Plan, seed: int) -> _Judged:
+def _judge(shape: Shape, clients: int, best_n: int, p: Plan, seed: int, evidence: str) -> _Judged:
     t0 = p.adaptive_warmup_s
     t1 = t0 + p.measure_s
     limit = adaptive_limit(shape.profile)
-    run = _run(shape, clients, limit, t1, seed)
+    run = _run(shape, clients, limit, t1, seed, evidence)
     direct = measure(_run(shape, clients, fixed_limit(clients), t1, seed), t0, t1)
     best = (
         direct
@@ -235,9 +255,14 @@ def _judge(shape: Shape, clients: int, best_n: int, p: Plan, seed: int) -> _Judg
 
 
 def run_case(
-    shape: Shape, clients: int, d: Durations | None = None, seeds: int = EVAL_SEEDS
+    shape: Shape,
+    clients: int,
+    d: Durations | None = None,
+    seeds: int = EVAL_SEEDS,
+    evidence: str = "full",
 ) -> dict[str, Any]:
-    """One shape at one client count: the fixed sweep, the adaptive limit, their ratios.
+    """One shape at one client count: the fixed sweep, the adaptive limit (hearing
+    ``evidence``), their ratios.
 
     The sweep selects the best fixed limit on the shape's own seed; the adaptive limit, that
     limit and the direct run are then judged on ``seeds`` other workload seeds, each in the
@@ -276,7 +301,9 @@ def run_case(
         sweep_at(round(math.sqrt(grid[i] * nb)))
     best_n = best()
 
-    judged = [_judge(shape, clients, best_n, p, seed) for seed in eval_seeds(shape, seeds)]
+    judged = [
+        _judge(shape, clients, best_n, p, seed, evidence) for seed in eval_seeds(shape, seeds)
+    ]
 
     def mean(get: Any) -> float:
         return statistics.fmean(get(j) for j in judged)
@@ -418,7 +445,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"({meta['cpu_s']:.0f} s of runs); {meta['load']}.",
         "",
         "Virtual time (tests/limit_sim.py); durations and the bar in "
-        "benchmarks/limit_shapes.py's docstring.",
+        "benchmarks/limit_shapes.py's docstring. The adaptive limit hears "
+        f"{EVIDENCE_TEXT[meta.get('evidence', 'full')]}.",
         "",
         "| ratio | min | p5 | p25 | median | mean | p75 | p95 | max |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -472,9 +500,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _case(task: tuple[int, int, int]) -> dict[str, Any]:
-    seed, clients, seeds = task
-    return run_case(generate_shape(seed), clients, seeds=seeds)
+def _case(task: tuple[int, int, int, str]) -> dict[str, Any]:
+    seed, clients, seeds, evidence = task
+    return run_case(generate_shape(seed), clients, seeds=seeds, evidence=evidence)
 
 
 def _cost(shape: Shape, clients: int, seeds: int) -> float:
@@ -499,6 +527,13 @@ def main(argv: list[str] | None = None) -> int:
         default=EVAL_SEEDS,
         help="workload seeds each case is judged on (default %(default)s)",
     )
+    ap.add_argument(
+        "--evidence",
+        choices=list(EVIDENCE),
+        default="full",
+        help="what the adaptive limit hears: SGLang's gauges and /server_info (full), "
+        "/server_info only (word: SGLang without --enable-metrics), or neither (none)",
+    )
     ap.add_argument("--no-save", action="store_true", help="print only")
     args = ap.parse_args(argv)
     try:
@@ -506,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     shapes = {s: generate_shape(s) for s in seeds}
-    tasks = [(s, c, args.eval_seeds) for s in seeds for c in client_levels(shapes[s])]
+    tasks = [
+        (s, c, args.eval_seeds, args.evidence) for s in seeds for c in client_levels(shapes[s])
+    ]
     tasks.sort(key=lambda t: _cost(shapes[t[0]], t[1], t[2]), reverse=True)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -534,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         "load": load_cpu(),
         "durations": asdict(Durations()),
         "eval_seeds": args.eval_seeds,
+        "evidence": args.evidence,
     }
     text = markdown(rows, meta)
     print(text)
@@ -554,7 +592,7 @@ class _Inline:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def imap_unordered(self, fn: Any, tasks: list[tuple[int, int, int]]) -> Any:
+    def imap_unordered(self, fn: Any, tasks: list[tuple[int, int, int, str]]) -> Any:
         return map(fn, tasks)
 
 

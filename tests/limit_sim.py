@@ -97,12 +97,18 @@ def closed_loop_through_proxy(
     scrape_interval_s: float | None = 1.0,
     seed: int = 0,
     clients_at_s: float = 0.0,
+    gauges: bool = True,
+    word: bool = True,
 ) -> SimRun:
     """``clients`` closed-loop clients through the proxy's queue, limits and ``policy`` into the
     backends' schedulers, for ``duration_s`` modelled seconds. The proxy scrapes the backends
     once before anything else (the server's word reaches the limits at t = 0); the clients
     arrive together at ``clients_at_s``: at 0 with the word, or later, as a real proxy, which
-    scrapes on start, meets them."""
+    scrapes on start, meets them.
+
+    What the proxy hears, as a real deployment decides it: ``gauges`` off is SGLang started
+    without ``--enable-metrics`` (its default: no queue, running or retraction gauges), ``word``
+    off a server that does not say its ``max_running_requests`` (no ``/server_info``)."""
     clock = [0.0]
     backends = []
     for i, (prof, lim) in enumerate(zip(profiles, limits, strict=True)):
@@ -202,13 +208,16 @@ def closed_loop_through_proxy(
 
     for b in backends:
         b.sched = Scheduler(b.profile, seed=b.seed, emit=make_emit(b), make_ids=False)
-        if scrape_interval_s:
+        if scrape_interval_s and gauges:
             b.stats.stale_after_s = 3 * scrape_interval_s
 
     def scrape(t: float) -> None:
         for b in backends:
             # what the server's /server_info says, as the proxy's scraper reads it
-            b.stats.scrape.max_running_requests = b.profile.max_running_requests
+            if word:
+                b.stats.scrape.max_running_requests = b.profile.max_running_requests
+            if not gauges:
+                continue
             lg = b.sched.logged_stats()
             b.stats.observe_scrape(
                 ok=True,
