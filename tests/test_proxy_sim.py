@@ -426,10 +426,11 @@ async def test_a_cold_start_begins_at_what_the_server_says_it_runs(sims, tmp_pat
             assert state[name]["decision"] == "server"
 
 
-async def test_sglang_started_with_its_defaults_is_still_filled_from_the_start(tmp_path):
-    """SGLang's defaults: no /metrics (it needs --enable-metrics) and max_running_requests left to
-    the scheduler (null in /server_info; the scheduler's value per DP rank in /v1/loads). The
-    proxy still learns what the server runs before the first request, and scrapes no gauges."""
+@pytest.fixture
+def sglang_defaults_sim():
+    """An ep8 backend started as SGLang is by default: no /metrics (it needs --enable-metrics),
+    max_running_requests left to the scheduler (null in /server_info; per DP rank in
+    /v1/loads)."""
     port = free_port()
     proc = subprocess.Popen(
         [str(BIN / "loadtest"), "sim", "--profile", "ep8", "--port", str(port),
@@ -437,23 +438,30 @@ async def test_sglang_started_with_its_defaults_is_still_filled_from_the_start(t
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(url + "/health")
-        cfg = tmp_path / "proxy.toml"
-        _write_config(cfg, [("ep8", url)], FAST)
-        with ProxyProc(cfg) as px:
-            c = _client(px.url)
-            await c.chat.completions.create(
-                model=SIM_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1
-            )
-            async with aiohttp.ClientSession() as s, s.get(px.url + "/admin/backends") as r:
-                (backend,) = (await r.json())["backends"]
-        state = backend["limit_state"]
-        # the server's word, plus the few kept ready where no other backend could take them
-        assert state["decision"] == "server"
-        assert state["limit"] >= load_profile("ep8").max_running_requests
-        scrape = backend["stats"]["scrape"]
-        assert scrape["max_running_requests"] == load_profile("ep8").max_running_requests
-        assert scrape["age_s"] is None and not scrape["stale"]  # no gauges, and not "stale"
+        _wait_http(f"http://127.0.0.1:{port}/health")
+        yield f"http://127.0.0.1:{port}"
     finally:
         _stop(proc)
+
+
+async def test_sglang_started_with_its_defaults_is_still_filled_from_the_start(
+    sglang_defaults_sim, tmp_path
+):
+    """The proxy still learns what such a server runs before the first request, and scrapes no
+    gauges (and does not count them stale)."""
+    cfg = tmp_path / "proxy.toml"
+    _write_config(cfg, [("ep8", sglang_defaults_sim)], FAST)
+    with ProxyProc(cfg) as px:
+        c = _client(px.url)
+        await c.chat.completions.create(
+            model=SIM_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
+        async with aiohttp.ClientSession() as s, s.get(px.url + "/admin/backends") as r:
+            (backend,) = (await r.json())["backends"]
+    state = backend["limit_state"]
+    # the server's word, plus the few kept ready where no other backend could take them
+    assert state["decision"] == "server"
+    assert state["limit"] >= load_profile("ep8").max_running_requests
+    scrape = backend["stats"]["scrape"]
+    assert scrape["max_running_requests"] == load_profile("ep8").max_running_requests
+    assert scrape["age_s"] is None and not scrape["stale"]  # no gauges, and not "stale"
