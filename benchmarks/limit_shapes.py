@@ -106,12 +106,14 @@ EVAL_SEEDS = 2
 #: nothing.
 EVIDENCE = {
     "full": {"gauges": True, "word": True},  # /metrics and /server_info
-    "word": {"gauges": False, "word": True},  # SGLang's default: /server_info, no /metrics
+    # /server_info, no gauges: SGLang without --enable-metrics, older than /v1/loads (a newer
+    # one's load report gives the proxy the same counts as its metrics)
+    "word": {"gauges": False, "word": True},
     "none": {"gauges": False, "word": False},  # neither: our own request counts only
 }
 EVIDENCE_TEXT = {
     "full": "SGLang's gauges and `/server_info`",
-    "word": "`/server_info` but no gauges (SGLang without `--enable-metrics`)",
+    "word": "`/server_info` but no gauges (SGLang without `--enable-metrics` or `/v1/loads`)",
     "none": "neither gauges nor `/server_info`: only its own requests",
 }
 REACHED = 0.9  # report when the adaptive limit first reached this x the best fixed limit

@@ -3,9 +3,9 @@
 Every ``interval_s`` each backend's ``/metrics`` is fetched and reduced to four numbers, landed in
 ``backend.stats.observe_scrape`` (and once, and after each restart, ``/server_info``'s
 ``max_running_requests``: the most requests the server says it runs at once). A backend that
-answers 404 for ``/metrics`` (SGLang's default: metrics need ``--enable-metrics``) is not
-scraped again, but its ``/server_info`` is still asked: what it runs at most is then the only
-word the limit gets from the server.
+answers 404 for ``/metrics`` (SGLang's default: metrics need ``--enable-metrics``) is read from
+its load report instead (``/v1/loads``: queue and running counts, no restarts or retractions),
+and its ``/server_info`` is still asked; one without either gives the limit only its word.
 
 How the series are combined follows SGLang's metrics collector (the label sets its schedulers
 write, see docs/limits-and-routing.md):
@@ -226,8 +226,10 @@ class Scraper:
         self._own_session = session is None
         self._clock = clock
         self._task: asyncio.Task | None = None
-        #: backends that answer 404 for the metrics path (not scraped)
+        #: backends that answer 404 for the metrics path (their load report is read instead)
         self.unsupported: set[str] = set()
+        #: of those, the ones that serve no load report either (only their word is asked)
+        self.silent: set[str] = set()
         #: called after each backend's scrape (e.g. ``admission.wake`` when limits may move)
         self.on_scrape = on_scrape
         #: backends whose server info was asked for, and at which restart count
@@ -263,8 +265,9 @@ class Scraper:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         base = str(backend.url).rstrip("/")
         if backend.name in self.unsupported:
+            ok = await self._scrape_loads(backend, base, headers)
             await self._ask_server_info(backend, base, headers)
-            return False
+            return ok
         stats.stale_after_s = self.stale_after_s
         try:
             values = parse_metrics((await self._get(base + self.s.path, headers)).decode())
@@ -274,17 +277,16 @@ class Scraper:
             raise
         except _NotServed as e:
             if stats.scrape.ok_at is None:
-                # SGLang without --enable-metrics: never scraped, so never "stale" either.
+                # SGLang without --enable-metrics: its load report says the same counts
                 log.warning(
-                    "backend %s: %s; not scraping it (start SGLang with --enable-metrics)",
+                    "backend %s: %s; reading its queue from /v1/loads instead (start SGLang "
+                    "with --enable-metrics for its metrics)",
                     backend.name,
                     e,
                 )
                 self.unsupported.add(backend.name)
                 stats.stale_after_s = None
-                # its word on what it runs is served without metrics, and is then all it says
-                await self._ask_server_info(backend, base, headers)
-                return False
+                return await self.scrape_once(backend)
             stats.observe_scrape(ok=False, error=str(e))
             return False
         except Exception as e:  # any failure ages the metrics; the limit treats stale as full
@@ -292,6 +294,34 @@ class Scraper:
             return False
         stats.observe_scrape(ok=True, **values)
         await self._ask_server_info(backend, base, headers)
+        return True
+
+    async def _scrape_loads(self, backend: Any, base: str, headers: dict[str, str] | None) -> bool:
+        """A backend without metrics: its queue and running counts from ``/v1/loads`` (SGLang
+        answers it from the scheduler, metrics or not). One without that either (an older
+        SGLang: ``/get_load`` logs a deprecation warning per call, so it is not polled
+        unasked) is never scraped, so never "stale" either."""
+        stats = backend.stats
+        if backend.name in self.silent:
+            return False
+        try:
+            values = parse_loads(await self._get(base + LOAD_PATHS[0], headers))
+        except asyncio.CancelledError:
+            raise
+        except _NotServed:
+            if stats.scrape.ok_at is None:
+                log.warning("backend %s: no load report either; not scraping it", backend.name)
+                self.silent.add(backend.name)
+                stats.stale_after_s = None
+                return False
+            stats.observe_scrape(ok=False, error="load report gone (HTTP 404)")
+            return False
+        except Exception as e:  # as for metrics: failures age the counts
+            stats.stale_after_s = self.stale_after_s
+            stats.observe_scrape(ok=False, error=f"{type(e).__name__}: {e}"[:200])
+            return False
+        stats.stale_after_s = self.stale_after_s
+        stats.observe_scrape(ok=True, **values)
         return True
 
     async def _ask_server_info(

@@ -447,8 +447,8 @@ def sglang_defaults_sim():
 async def test_sglang_started_with_its_defaults_is_still_filled_from_the_start(
     sglang_defaults_sim, tmp_path
 ):
-    """The proxy still learns what such a server runs before the first request, and scrapes no
-    gauges (and does not count them stale)."""
+    """The proxy still learns what such a server runs before the first request, and reads its
+    queue from the load report."""
     cfg = tmp_path / "proxy.toml"
     _write_config(cfg, [("ep8", sglang_defaults_sim)], FAST)
     with ProxyProc(cfg) as px:
@@ -464,4 +464,5 @@ async def test_sglang_started_with_its_defaults_is_still_filled_from_the_start(
     assert state["limit"] >= load_profile("ep8").max_running_requests
     scrape = backend["stats"]["scrape"]
     assert scrape["max_running_requests"] == load_profile("ep8").max_running_requests
-    assert scrape["age_s"] is None and not scrape["stale"]  # no gauges, and not "stale"
+    # its queue is read from the load report instead of the metrics
+    assert scrape["queue_reqs"] is not None and not scrape["stale"]

@@ -175,6 +175,27 @@ async def test_a_backend_without_metrics_is_still_asked_what_it_runs():
         await runner.cleanup()
 
 
+async def test_a_backend_without_metrics_is_read_from_its_load_report():
+    runner, url = await _serve(
+        {
+            "/metrics": 404,
+            "/v1/loads": b'{"loads": [{"dp_rank": 0, "num_running_reqs": 30, '
+            b'"num_waiting_reqs": 5, "token_usage": 0.5, "max_running_requests": 32}]}',
+        }
+    )
+    b = FakeBackend("a", url=url)
+    scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
+    try:
+        assert await scraper.scrape_once(b)
+        assert (b.stats.scrape.queue_reqs, b.stats.scrape.running_reqs) == (5.0, 30.0)
+        assert b.stats.scrape.max_running_requests == 32  # no /server_info: the report's
+        assert b.stats.stale_after_s == scraper.stale_after_s and not b.stats.scrape_stale()
+        assert await scraper.scrape_once(b)  # and again each interval (not /metrics)
+    finally:
+        await scraper.close()
+        await runner.cleanup()
+
+
 def test_parse_loads_max_running_sums_the_ranks_only_when_each_says_it():
     rows = b'{"loads": [{"dp_rank": 0, "max_running_requests": 32}, '
     assert parse_loads_max_running(rows + b'{"dp_rank": 1, "max_running_requests": 32}]}') == 64
