@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import (
+    SGLANG_DEFAULTS,
     Harness,
     Poller,
     backends_by_name,
@@ -57,6 +58,7 @@ from harness import (
     out_argument,
     positive_int,
     proxy_toml,
+    sglang_defaults_argument,
     write_results,
 )
 
@@ -289,20 +291,6 @@ def run_arm(
     if open_loop:
         row.update(sent_in_window(res))
     return row
-
-
-#: `loadtest sim` flags for a server started as SGLang is by default: no /metrics (they need
-#: --enable-metrics) and max_running_requests left to the scheduler (null in /server_info)
-SGLANG_DEFAULTS = ["--no-metrics", "--max-running-unset"]
-
-
-def sglang_defaults_argument(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
-        "--sglang-defaults",
-        action="store_true",
-        help="simulators started as SGLang is by default: no /metrics, max_running_requests "
-        "only in /v1/loads (the proxy hears that and its own requests, no gauges)",
-    )
 
 
 def closed(clients: int) -> list[str]:

@@ -31,13 +31,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fill_any import closed, f, ratio, run_arm, sglang_defaults_argument
+from fill_any import closed, f, ratio, run_arm
 from harness import (
     argument_parser,
     commit,
     load_cpu,
     out_argument,
     positive_int,
+    sglang_defaults_argument,
     toml_table,
     write_results,
 )

@@ -53,6 +53,20 @@ def out_argument(ap: argparse.ArgumentParser, name: str) -> None:
     )
 
 
+#: `loadtest sim` flags for a server started as SGLang is by default: no /metrics (they need
+#: --enable-metrics) and max_running_requests left to the scheduler (null in /server_info)
+SGLANG_DEFAULTS = ["--no-metrics", "--max-running-unset"]
+
+
+def sglang_defaults_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--sglang-defaults",
+        action="store_true",
+        help="simulators started as SGLang is by default: no /metrics, max_running_requests "
+        "only in /v1/loads (the proxy hears that and its own requests, no gauges)",
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

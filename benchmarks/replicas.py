@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from harness import (
+    SGLANG_DEFAULTS,
     Harness,
     Poller,
     argument_parser,
@@ -35,6 +36,7 @@ from harness import (
     load_cpu,
     positive_int,
     proxy_toml,
+    sglang_defaults_argument,
     window_wall,
     write_results,
 )
@@ -45,7 +47,7 @@ PROFILES = ["pp8", "tp8"]
 def run_phase(args: argparse.Namespace, replicas: int, repeat: int = 1) -> dict[str, Any]:
     ts = args.time_scale
     with Harness(f"replicas-{replicas}-r{repeat}", time_scale=ts) as h:
-        sim = h.sim(PROFILES)
+        sim = h.sim(PROFILES, extra=SGLANG_DEFAULTS if args.sglang_defaults else [])
         cfg = lambda: proxy_toml(backend_entries(sim.urls, PROFILES), time_scale=ts)  # noqa: E731
         proxies = [h.proxy(cfg(), name=f"proxy{i}") for i in range(replicas)]
 
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=length_arg, default="uniform:64-256")
     ap.add_argument("--repeats", type=positive_int, default=3, help="pairs of phases")
     ap.add_argument("--quick", action="store_true")
+    sglang_defaults_argument(ap)
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
@@ -151,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Time scale {args.time_scale} (modelled seconds); warmup {args.warmup:g} s, window "
         f"{args.duration:g} s; 1024-token prompts, output {args.output_len}; adaptive limits; two "
-        f"replicas get {args.clients // 2} closed-loop clients each. Wall "
+        f"replicas get {args.clients // 2} closed-loop clients each"
+        + (" (simulators with SGLang's defaults: no /metrics)" if args.sglang_defaults else "")
+        + ". Wall "
         f"{time.monotonic() - t0:.0f} s, {load_cpu()}.",
         "",
         "| repeat | backend | one proxy: in flight mean (p10-p90) | two replicas: combined in "
@@ -213,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.no_save:
         write_results(
-            "replicas" + ("-quick" if args.quick else ""),
+            "replicas"
+            + ("-sglang-defaults" if args.sglang_defaults else "")
+            + ("-quick" if args.quick else ""),
             text,
             {"time_scale": args.time_scale, "args": vars(args),
              "repeats": [{"one": a, "two": b} for a, b in pairs], "ratios": ratios,
