@@ -45,6 +45,7 @@ import aiohttp
 import orjson
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from proxy import __version__
 from proxy.routed import Scraped
 from proxy.tasks import stop_task
 
@@ -63,6 +64,10 @@ WANTED = (
     "sglang:generation_tokens_total",
     "sglang:num_retracted_requests_total",
 )
+
+
+#: the scraper names itself to the servers it asks (their access logs, and test fakes)
+USER_AGENT = f"pipefill/{__version__} scrape"
 
 
 class _NotServed(Exception):
@@ -251,6 +256,7 @@ class Scraper:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         timeout = aiohttp.ClientTimeout(total=self.s.timeout_s)
+        headers = {**(headers or {}), "User-Agent": USER_AGENT}
         async with self._session.get(url, headers=headers, timeout=timeout) as resp:
             if resp.status == 404:
                 raise _NotServed(f"HTTP 404 for {url}")

@@ -21,6 +21,7 @@ import orjson
 from aiohttp import web
 
 from proxy.app import ProxyServer
+from proxy.scrape import USER_AGENT
 from proxy.settings import load_settings
 
 MODEL = "fake-model"
@@ -97,6 +98,8 @@ class FakeUpstream:
         return web.json_response({"model_path": MODEL, "served_by": self.name})
 
     async def server_info(self, request: web.Request) -> web.Response:
+        if request.headers.get("User-Agent") == USER_AGENT:
+            return web.Response(status=404)  # the proxy's scraper: nothing to say
         self.requests.append({"path": request.path, "headers": dict(request.headers)})
         return web.json_response({"api_key": "backend-secret", "served_by": self.name})
 
@@ -108,8 +111,8 @@ class FakeUpstream:
 
     async def other(self, request: web.Request) -> web.Response:
         await request.read()
-        if request.path == "/metrics":  # the proxy's scraper: this fake has no metrics
-            return web.Response(status=404)
+        if request.headers.get("User-Agent") == USER_AGENT:
+            return web.Response(status=404)  # the proxy's scraper: no metrics, no load report
         self.requests.append({"path": request.path, "headers": dict(request.headers)})
         return web.json_response({"path": request.path, "served_by": self.name})
 
