@@ -394,8 +394,7 @@ class Proxy:
             if request.headers.get("Expect", "").lower() == "100-continue":
                 await _continue(request)
             try:
-                async with asyncio.timeout(self._body_timeout):
-                    body = await request.read()
+                body = await self._read_body(request)
             except web.HTTPRequestEntityTooLarge:
                 return self._too_large(label, rid)
             except TimeoutError:
@@ -557,6 +556,14 @@ class Proxy:
             return _DirectLease(b)
 
         return acquire
+
+    async def _read_body(self, request: web.BaseRequest) -> bytes:
+        """The request's body, within ``body_timeout_s`` while it is still arriving (a JSON body
+        usually came whole with the head: then there is nothing to time)."""
+        if request.content.is_eof():
+            return await request.read()
+        async with asyncio.timeout(self._body_timeout):
+            return await request.read()
 
     def _admission_error(self, e: BaseException) -> web.Response | None:
         if isinstance(e, QueueBytesFull):
