@@ -20,6 +20,21 @@ from loadtest.sim.faults import add_fault_arguments, config_from_args
 DEFAULT_PORT = 30000
 
 
+#: on/off flags for how the server was started, each as an SGLang deployment can differ
+SERVER_FLAGS = (
+    ("--disable-radix-cache",
+     "no prefix cache (as SGLang's flag): every prompt is prefilled in full"),
+    ("--enable-cache-report",
+     "report cached prompt tokens in OpenAI usage.prompt_tokens_details (as SGLang's flag; "
+     "/generate's meta_info.cached_tokens is always there)"),
+    ("--no-metrics",
+     "serve no /metrics (404), as SGLang started without --enable-metrics (its default)"),
+    ("--max-running-unset",
+     "/server_info says max_running_requests null, as SGLang does when --max-running-requests "
+     "was not given (its scheduler's value is in /v1/loads)"),
+)  # fmt: skip
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile", action="append", metavar="NAME|PATH",
@@ -44,24 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="close idle keep-alive connections after S seconds, like uvicorn (default 5)",
     )  # fmt: skip
     parser.add_argument("--access-log", action="store_true", help="log every request")
-    parser.add_argument(
-        "--disable-radix-cache", action="store_true",
-        help="no prefix cache (as SGLang's flag): every prompt is prefilled in full",
-    )  # fmt: skip
-    parser.add_argument(
-        "--enable-cache-report", action="store_true",
-        help="report cached prompt tokens in OpenAI usage.prompt_tokens_details (as SGLang's "
-        "flag; /generate's meta_info.cached_tokens is always there)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--no-metrics", action="store_true",
-        help="serve no /metrics (404), as SGLang started without --enable-metrics (its default)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-running-unset", action="store_true",
-        help="/server_info says max_running_requests null, as SGLang does when "
-        "--max-running-requests was not given (its scheduler's value is in /v1/loads)",
-    )  # fmt: skip
+    for flag, text in SERVER_FLAGS:
+        parser.add_argument(flag, action="store_true", help=text)
     add_fault_arguments(parser)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = _profiles_epilog()
