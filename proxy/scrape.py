@@ -165,15 +165,19 @@ def parse_loads(body: bytes) -> dict[str, float | None]:
     """``/v1/loads`` (``{"loads": [{dp_rank, num_running_reqs, num_waiting_reqs, token_usage,
     ...}]}``) or the older ``/get_load`` (one row per DP rank with ``num_reqs`` = running +
     waiting, and ``num_waiting_reqs``): queue and running summed over DP ranks, and
-    ``token_usage`` (the fullest rank) when the report has it."""
+    ``token_usage`` (the fullest rank) when the report has it. ValueError for a body that is
+    not such a report (not JSON, or no row with a count: a server that answers any path)."""
     rows = orjson.loads(body)
     if isinstance(rows, dict):
         rows = rows.get("loads") or [rows]
+    if not isinstance(rows, list):
+        raise ValueError("not a load report")
+    rows = [r for r in rows if isinstance(r, dict) and not _LOAD_COUNTS.isdisjoint(r)]
+    if not rows:
+        raise ValueError("not a load report: no row counts requests")
     queue = running = 0.0
     usage: float | None = None
     for row in rows:
-        if not isinstance(row, dict):
-            continue
         waiting = float(row.get("num_waiting_reqs", 0) or 0)
         queue += waiting
         if "num_running_reqs" in row:
@@ -190,6 +194,8 @@ def parse_loads(body: bytes) -> dict[str, float | None]:
 
 
 parse_get_load = parse_loads  # the older name
+#: a load report's row has at least one of these
+_LOAD_COUNTS = frozenset({"num_waiting_reqs", "num_running_reqs", "num_reqs"})
 
 
 def parse_loads_max_running(body: bytes) -> int | None:
@@ -314,13 +320,15 @@ class Scraper:
             values = parse_loads(await self._get(base + LOAD_PATHS[0], headers))
         except asyncio.CancelledError:
             raise
-        except _NotServed:
-            if stats.scrape.ok_at is None:
-                log.warning("backend %s: no load report either; not scraping it", backend.name)
+        except (_NotServed, ValueError) as e:
+            if stats.scrape.ok_at is None:  # not served, or what answers is not one
+                log.warning(
+                    "backend %s: no load report either (%s); not scraping it", backend.name, e
+                )
                 self.silent.add(backend.name)
                 stats.stale_after_s = None
                 return False
-            stats.observe_scrape(ok=False, error="load report gone (HTTP 404)")
+            stats.observe_scrape(ok=False, error=f"load report: {e}"[:200])
             return False
         except Exception as e:  # as for metrics: failures age the counts
             stats.stale_after_s = self.stale_after_s

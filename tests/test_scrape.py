@@ -196,6 +196,21 @@ async def test_a_backend_without_metrics_is_read_from_its_load_report():
         await runner.cleanup()
 
 
+async def test_a_server_answering_any_path_is_not_read_as_a_load_report():
+    # a catch-all 200 (HTML, or JSON without counts) is no report: never scraped, never stale
+    for page in (b"<html>hello</html>", b'{"path": "/v1/loads"}'):
+        runner, url = await _serve({"/metrics": 404, "/v1/loads": page})
+        b = FakeBackend("a", url=url)
+        scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
+        try:
+            assert not await scraper.scrape_once(b)
+            assert "a" in scraper.silent and not b.stats.scrape_stale()
+            assert b.stats.scrape.queue_reqs is None
+        finally:
+            await scraper.close()
+            await runner.cleanup()
+
+
 def test_parse_loads_max_running_sums_the_ranks_only_when_each_says_it():
     rows = b'{"loads": [{"dp_rank": 0, "max_running_requests": 32}, '
     assert parse_loads_max_running(rows + b'{"dp_rank": 1, "max_running_requests": 32}]}') == 64
