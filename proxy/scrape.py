@@ -298,6 +298,7 @@ class Scraper:
                 )
                 self.unsupported.add(backend.name)
                 stats.stale_after_s = None
+                stats.scrape.source = "loads"
                 return await self.scrape_once(backend)
             stats.observe_scrape(ok=False, error=str(e))
             return False
@@ -327,6 +328,7 @@ class Scraper:
                 )
                 self.silent.add(backend.name)
                 stats.stale_after_s = None
+                stats.scrape.source = "none"
                 return False
             stats.observe_scrape(ok=False, error=f"load report: {e}"[:200])
             return False

@@ -276,6 +276,10 @@ class RateMeter:
 class ScrapeState:
     """The latest scrape of a backend's /metrics (gauges summed over ranks)."""
 
+    #: where the counts come from: ``metrics``, ``loads`` (``/v1/loads``: a server without
+    #: metrics) or ``none`` (neither is served: only the server's word, if it says one)
+    source: str = "metrics"
+
     ok_at: float | None = None  # when the last successful scrape happened
     attempted_at: float | None = None
     queue_reqs: float | None = None
@@ -710,6 +714,7 @@ class BackendStats:
             "cached_tokens": self.cached_tokens,
             "cached_hit_rate": self.cached_hit_rate,
             "scrape": {
+                "source": self.scrape.source,
                 "queue_reqs": self.scrape.queue_reqs,
                 "running_reqs": self.scrape.running_reqs,
                 "token_usage": self.scrape.token_usage,

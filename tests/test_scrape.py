@@ -191,6 +191,7 @@ async def test_a_backend_without_metrics_is_read_from_its_load_report():
         assert b.stats.scrape.max_running_requests == 32  # no /server_info: the report's
         assert b.stats.stale_after_s == scraper.stale_after_s and not b.stats.scrape_stale()
         assert await scraper.scrape_once(b)  # and again each interval (not /metrics)
+        assert b.stats.snapshot()["scrape"]["source"] == "loads"
     finally:
         await scraper.close()
         await runner.cleanup()
@@ -205,6 +206,7 @@ async def test_a_server_answering_any_path_is_not_read_as_a_load_report():
         try:
             assert not await scraper.scrape_once(b)
             assert "a" in scraper.silent and not b.stats.scrape_stale()
+            assert b.stats.snapshot()["scrape"]["source"] == "none"
             assert b.stats.scrape.queue_reqs is None
         finally:
             await scraper.close()
