@@ -105,14 +105,18 @@ EVAL_SEEDS = 2
 #: say its ``max_running_requests`` either. Only the adaptive runs change: a fixed limit hears
 #: nothing.
 EVIDENCE = {
-    "full": {"gauges": True, "word": True},  # /metrics and /server_info
-    # /server_info, no gauges: SGLang without --enable-metrics, older than /v1/loads (a newer
-    # one's load report gives the proxy the same counts as its metrics)
-    "word": {"gauges": False, "word": True},
-    "none": {"gauges": False, "word": False},  # neither: our own request counts only
+    "full": {"gauges": "metrics", "word": True},  # /metrics and /server_info
+    # SGLang without --enable-metrics: its load report /v1/loads (current counts, no
+    # retractions) and /server_info (or the report) for the word
+    "loads": {"gauges": "loads", "word": True},
+    # /server_info, no gauges: SGLang without --enable-metrics, older than /v1/loads
+    "word": {"gauges": "none", "word": True},
+    "none": {"gauges": "none", "word": False},  # neither: our own request counts only
 }
 EVIDENCE_TEXT = {
     "full": "SGLang's gauges and `/server_info`",
+    "loads": "SGLang's load report `/v1/loads` and `/server_info` (SGLang without "
+    "`--enable-metrics`)",
     "word": "`/server_info` but no gauges (SGLang without `--enable-metrics` or `/v1/loads`)",
     "none": "neither gauges nor `/server_info`: only its own requests",
 }
@@ -533,8 +537,9 @@ def main(argv: list[str] | None = None) -> int:
         "--evidence",
         choices=list(EVIDENCE),
         default="full",
-        help="what the adaptive limit hears: SGLang's gauges and /server_info (full), "
-        "/server_info only (word: SGLang without --enable-metrics), or neither (none)",
+        help="what the adaptive limit hears: SGLang's gauges and /server_info (full), its load "
+        "report instead of gauges (loads: SGLang without --enable-metrics), /server_info only "
+        "(word: such an SGLang older than /v1/loads), or neither (none)",
     )
     ap.add_argument("--no-save", action="store_true", help="print only")
     args = ap.parse_args(argv)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from loadtest.sim.profiles import Profile, load_profile
 from loadtest.sim.scheduler import Finish, GenRequest, Req, Scheduler
@@ -97,7 +97,7 @@ def closed_loop_through_proxy(
     scrape_interval_s: float | None = 1.0,
     seed: int = 0,
     clients_at_s: float = 0.0,
-    gauges: bool = True,
+    gauges: Literal["metrics", "loads", "none"] = "metrics",
     word: bool = True,
 ) -> SimRun:
     """``clients`` closed-loop clients through the proxy's queue, limits and ``policy`` into the
@@ -106,9 +106,11 @@ def closed_loop_through_proxy(
     arrive together at ``clients_at_s``: at 0 with the word, or later, as a real proxy, which
     scrapes on start, meets them.
 
-    What the proxy hears, as a real deployment decides it: ``gauges`` off is SGLang started
-    without ``--enable-metrics`` (its default: no queue, running or retraction gauges), ``word``
-    off a server that does not say its ``max_running_requests`` (no ``/server_info``)."""
+    What the proxy hears, as a real deployment decides it. ``gauges``: SGLang's ``/metrics``
+    (the values of its last log point, up to 40 decode steps old, and retractions), its load
+    report ``/v1/loads`` (what a server started without ``--enable-metrics`` answers: the
+    scheduler's current counts, no retractions), or none (an older SGLang without metrics).
+    ``word`` off: a server that does not say its ``max_running_requests``."""
     clock = [0.0]
     backends = []
     for i, (prof, lim) in enumerate(zip(profiles, limits, strict=True)):
@@ -208,7 +210,7 @@ def closed_loop_through_proxy(
 
     for b in backends:
         b.sched = Scheduler(b.profile, seed=b.seed, emit=make_emit(b), make_ids=False)
-        if scrape_interval_s and gauges:
+        if scrape_interval_s and gauges != "none":
             b.stats.stale_after_s = 3 * scrape_interval_s
 
     def scrape(t: float) -> None:
@@ -216,15 +218,16 @@ def closed_loop_through_proxy(
             # what the server's /server_info says, as the proxy's scraper reads it
             if word:
                 b.stats.scrape.max_running_requests = b.profile.max_running_requests
-            if not gauges:
+            if gauges == "none":
                 continue
-            lg = b.sched.logged_stats()
+            metrics = gauges == "metrics"
+            lg = b.sched.logged_stats() if metrics else b.sched.live_stats()
             b.stats.observe_scrape(
                 ok=True,
                 queue_reqs=float(lg.num_queue_reqs),
                 running_reqs=float(lg.num_running_reqs),
                 token_usage=float(lg.token_usage),
-                retractions_total=float(b.sched.counters.retractions_total),
+                retractions_total=float(b.sched.counters.retractions_total) if metrics else None,
                 now=t,
             )
 

@@ -35,11 +35,12 @@ def test_pp8_fills_its_pipeline_within_30_simulated_seconds():
     assert run.ttft_pct(60, 150, 0.99) <= 1.2 * best.ttft_pct(60, 150, 0.99) + 0.05
 
 
-@pytest.mark.parametrize(("word", "gauges"), [(True, False), (False, False)])
+@pytest.mark.parametrize(("word", "gauges"), [(True, "none"), (False, "none"), (True, "loads")])
 def test_pp8_fills_on_what_the_proxy_sees_alone(word, gauges):
-    """SGLang without --enable-metrics (its default) has no gauges; a server that is not SGLang
-    may not say what it runs either. The limit then has its own requests waiting for a first
-    token to go on, and must still fill the pipeline."""
+    """SGLang without --enable-metrics (its default) has no gauges, only its load report (and
+    an older one not even that); a server that is not SGLang may not say what it runs either.
+    The limit then has its own requests waiting for a first token to go on, and must still
+    fill the pipeline."""
     lim = adaptive("pp8")
     run = closed_loop_through_limit(
         "pp8", 64, lim, duration_s=150, output_len=OUT, word=word, gauges=gauges
