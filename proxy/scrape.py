@@ -237,14 +237,8 @@ class Scraper:
         self._own_session = session is None
         self._clock = clock
         self._task: asyncio.Task | None = None
-        #: backends that answer 404 for the metrics path (their load report is read instead)
-        self.unsupported: set[str] = set()
-        #: of those, the ones that serve no load report either (only their word is asked)
-        self.silent: set[str] = set()
         #: called after each backend's scrape (e.g. ``admission.wake`` when limits may move)
         self.on_scrape = on_scrape
-        #: backends whose server info was asked for, and at which restart count
-        self._info_asked: dict[str, int] = {}
         #: per backend, the load path it served last (one without /v1/loads: /get_load)
         self._load_path: dict[str, str] = {}
 
@@ -276,7 +270,7 @@ class Scraper:
         api_key = backend.api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         base = str(backend.url).rstrip("/")
-        if backend.name in self.unsupported:
+        if stats.scrape.source != "metrics":
             ok = await self._scrape_loads(backend, base, headers)
             await self._ask_server_info(backend, base, headers)
             return ok
@@ -296,7 +290,6 @@ class Scraper:
                     backend.name,
                     e,
                 )
-                self.unsupported.add(backend.name)
                 stats.stale_after_s = None
                 stats.scrape.source = "loads"
                 return await self.scrape_once(backend)
@@ -315,7 +308,7 @@ class Scraper:
         SGLang: ``/get_load`` logs a deprecation warning per call, so it is not polled
         unasked) is never scraped, so never "stale" either."""
         stats = backend.stats
-        if backend.name in self.silent:
+        if stats.scrape.source == "none":
             return False
         try:
             values = parse_loads(await self._get(base + LOAD_PATHS[0], headers))
@@ -326,7 +319,6 @@ class Scraper:
                 log.warning(
                     "backend %s: no load report either (%s); not scraping it", backend.name, e
                 )
-                self.silent.add(backend.name)
                 stats.stale_after_s = None
                 stats.scrape.source = "none"
                 return False
@@ -345,9 +337,9 @@ class Scraper:
     ) -> None:
         """Once, and again after each restart the metrics show (without metrics: once)."""
         stats = backend.stats
-        if self._info_asked.get(backend.name) == stats.scrape.restarts:
+        if stats.scrape.word_asked == stats.scrape.restarts:
             return
-        self._info_asked[backend.name] = stats.scrape.restarts
+        stats.scrape.word_asked = stats.scrape.restarts
         stats.scrape.max_running_requests = await self._server_info(base, headers)
 
     async def _loads(self, name: str, base: str, headers: dict[str, str] | None) -> bytes:

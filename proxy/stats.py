@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +279,7 @@ class ScrapeState:
 
     #: where the counts come from: ``metrics``, ``loads`` (``/v1/loads``: a server without
     #: metrics) or ``none`` (neither is served: only the server's word, if it says one)
-    source: str = "metrics"
+    source: Literal["metrics", "loads", "none"] = "metrics"
 
     ok_at: float | None = None  # when the last successful scrape happened
     attempted_at: float | None = None
@@ -292,6 +293,8 @@ class ScrapeState:
     last_error: str | None = None
     #: ``max_running_requests`` from the server's own info (None: not said, or not asked yet)
     max_running_requests: int | None = None
+    #: the restart count when that was last asked (None: never): asked again after a restart
+    word_asked: int | None = None
 
 
 @dataclass(slots=True)

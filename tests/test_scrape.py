@@ -147,7 +147,7 @@ async def test_scraper_failure_and_404():
         assert failing.stats.scrape.errors == 1 and failing.stats.scrape_stale()
         # A backend without /metrics is simply not scraped (never stale, limits not pinned).
         assert not await scraper404.scrape_once(missing)
-        assert "nometrics" in scraper404.unsupported
+        assert missing.stats.scrape.source == "none"  # no load report either
         assert not missing.stats.scrape_stale()
         unreachable = FakeBackend("down", url=f"http://127.0.0.1:{free_port()}")
         assert not await scraper.scrape_once(unreachable)
@@ -165,7 +165,7 @@ async def test_a_backend_without_metrics_is_still_asked_what_it_runs():
     scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
     try:
         assert not await scraper.scrape_once(b)
-        assert "nometrics" in scraper.unsupported and not b.stats.scrape_stale()
+        assert b.stats.scrape.source == "none" and not b.stats.scrape_stale()
         assert b.stats.take_window().max_running == 64
         b.stats.scrape.max_running_requests = None  # asked once: no restart can be seen
         assert not await scraper.scrape_once(b)
@@ -205,12 +205,34 @@ async def test_a_server_answering_any_path_is_not_read_as_a_load_report():
         scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
         try:
             assert not await scraper.scrape_once(b)
-            assert "a" in scraper.silent and not b.stats.scrape_stale()
+            assert b.stats.scrape.source == "none" and not b.stats.scrape_stale()
             assert b.stats.snapshot()["scrape"]["source"] == "none"
             assert b.stats.scrape.queue_reqs is None
         finally:
             await scraper.close()
             await runner.cleanup()
+
+
+async def test_a_backend_replaced_under_the_same_name_is_scraped_afresh():
+    # a reload may point a name at another server: what was learnt of the old one goes with it
+    old_runner, old_url = await _serve(
+        {"/metrics": 404, "/server_info": b'{"max_running_requests": 8}'}
+    )
+    new_runner, new_url = await _serve(
+        {"/metrics": PAGE.encode(), "/server_info": b'{"max_running_requests": 48}'}
+    )
+    scraper = Scraper([], ScrapeSettings(interval_s=0.5))
+    try:
+        old = FakeBackend("a", url=old_url)
+        assert not await scraper.scrape_once(old)
+        assert (old.stats.scrape.source, old.stats.scrape.max_running_requests) == ("none", 8)
+        new = FakeBackend("a", url=new_url)
+        assert await scraper.scrape_once(new)
+        assert (new.stats.scrape.source, new.stats.scrape.max_running_requests) == ("metrics", 48)
+    finally:
+        await scraper.close()
+        await old_runner.cleanup()
+        await new_runner.cleanup()
 
 
 def test_parse_loads_max_running_sums_the_ranks_only_when_each_says_it():
