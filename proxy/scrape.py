@@ -161,6 +161,10 @@ def parse_server_info(body: bytes) -> int | None:
     return None
 
 
+#: a load report's row has at least one of these
+_LOAD_COUNTS = frozenset({"num_waiting_reqs", "num_running_reqs", "num_reqs"})
+
+
 def parse_loads(body: bytes) -> dict[str, float | None]:
     """``/v1/loads`` (``{"loads": [{dp_rank, num_running_reqs, num_waiting_reqs, token_usage,
     ...}]}``) or the older ``/get_load`` (one row per DP rank with ``num_reqs`` = running +
@@ -194,8 +198,6 @@ def parse_loads(body: bytes) -> dict[str, float | None]:
 
 
 parse_get_load = parse_loads  # the older name
-#: a load report's row has at least one of these
-_LOAD_COUNTS = frozenset({"num_waiting_reqs", "num_running_reqs", "num_reqs"})
 
 
 def parse_loads_max_running(body: bytes) -> int | None:
@@ -365,7 +367,7 @@ class Scraper:
         memory is then only in the load report, ``/v1/loads``, per DP rank."""
         for paths, parse in (
             (("/server_info", "/get_server_info"), parse_server_info),
-            (("/v1/loads",), parse_loads_max_running),
+            (LOAD_PATHS[:1], parse_loads_max_running),
         ):
             for path in paths:
                 try:
