@@ -114,6 +114,19 @@ async def _serve(routes: dict[str, bytes | int]) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
+@contextlib.asynccontextmanager
+async def _scraping(routes: dict, name: str = "a"):
+    """A fake backend serving ``routes`` and a scraper of it (both closed after)."""
+    runner, url = await _serve(routes)
+    b = FakeBackend(name, url=url)
+    scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
+    try:
+        yield b, scraper
+    finally:
+        await scraper.close()
+        await runner.cleanup()
+
+
 async def test_scraper_lands_gauges_in_stats():
     runner, url = await _serve(
         {
@@ -160,57 +173,39 @@ async def test_scraper_failure_and_404():
 
 async def test_a_backend_without_metrics_is_still_asked_what_it_runs():
     # SGLang's default (no --enable-metrics): /metrics is 404, /server_info is served
-    runner, url = await _serve({"/metrics": 404, "/server_info": b'{"max_running_requests": 64}'})
-    b = FakeBackend("nometrics", url=url)
-    scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
-    try:
+    routes = {"/metrics": 404, "/server_info": b'{"max_running_requests": 64}'}
+    async with _scraping(routes) as (b, scraper):
         assert not await scraper.scrape_once(b)
         assert b.stats.scrape.source == "none" and not b.stats.scrape_stale()
         assert b.stats.take_window().max_running == 64
         b.stats.scrape.max_running_requests = None  # asked once: no restart can be seen
         assert not await scraper.scrape_once(b)
         assert b.stats.scrape.max_running_requests is None
-    finally:
-        await scraper.close()
-        await runner.cleanup()
 
 
 async def test_a_backend_without_metrics_is_read_from_its_load_report():
-    runner, url = await _serve(
-        {
-            "/metrics": 404,
-            "/v1/loads": b'{"loads": [{"dp_rank": 0, "num_running_reqs": 30, '
-            b'"num_waiting_reqs": 5, "token_usage": 0.5, "max_running_requests": 32}]}',
-        }
-    )
-    b = FakeBackend("a", url=url)
-    scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
-    try:
+    routes = {
+        "/metrics": 404,
+        "/v1/loads": b'{"loads": [{"dp_rank": 0, "num_running_reqs": 30, '
+        b'"num_waiting_reqs": 5, "token_usage": 0.5, "max_running_requests": 32}]}',
+    }
+    async with _scraping(routes) as (b, scraper):
         assert await scraper.scrape_once(b)
         assert (b.stats.scrape.queue_reqs, b.stats.scrape.running_reqs) == (5.0, 30.0)
         assert b.stats.scrape.max_running_requests == 32  # no /server_info: the report's
         assert b.stats.stale_after_s == scraper.stale_after_s and not b.stats.scrape_stale()
         assert await scraper.scrape_once(b)  # and again each interval (not /metrics)
         assert b.stats.snapshot()["scrape"]["source"] == "loads"
-    finally:
-        await scraper.close()
-        await runner.cleanup()
 
 
 async def test_a_server_answering_any_path_is_not_read_as_a_load_report():
     # a catch-all 200 (HTML, or JSON without counts) is no report: never scraped, never stale
     for page in (b"<html>hello</html>", b'{"path": "/v1/loads"}'):
-        runner, url = await _serve({"/metrics": 404, "/v1/loads": page})
-        b = FakeBackend("a", url=url)
-        scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
-        try:
+        async with _scraping({"/metrics": 404, "/v1/loads": page}) as (b, scraper):
             assert not await scraper.scrape_once(b)
             assert b.stats.scrape.source == "none" and not b.stats.scrape_stale()
             assert b.stats.snapshot()["scrape"]["source"] == "none"
             assert b.stats.scrape.queue_reqs is None
-        finally:
-            await scraper.close()
-            await runner.cleanup()
 
 
 async def test_a_backend_replaced_under_the_same_name_is_scraped_afresh():
@@ -245,22 +240,15 @@ def test_parse_loads_max_running_sums_the_ranks_only_when_each_says_it():
 
 async def test_max_running_left_to_the_scheduler_is_read_from_its_load_report():
     # no --max-running-requests: /server_info has null, the scheduler's value is per DP rank
-    runner, url = await _serve(
-        {
-            "/metrics": 404,
-            "/server_info": b'{"max_running_requests": null, "dp_size": 2}',
-            "/v1/loads": b'{"loads": [{"dp_rank": 0, "max_running_requests": 48}, '
-            b'{"dp_rank": 1, "max_running_requests": 48}]}',
-        }
-    )
-    b = FakeBackend("a", url=url)
-    scraper = Scraper([b], ScrapeSettings(interval_s=0.5))
-    try:
+    routes = {
+        "/metrics": 404,
+        "/server_info": b'{"max_running_requests": null, "dp_size": 2}',
+        "/v1/loads": b'{"loads": [{"dp_rank": 0, "max_running_requests": 48}, '
+        b'{"dp_rank": 1, "max_running_requests": 48}]}',
+    }
+    async with _scraping(routes) as (b, scraper):
         await scraper.scrape_all()
         assert b.stats.scrape.max_running_requests == 96
-    finally:
-        await scraper.close()
-        await runner.cleanup()
 
 
 def test_parse_server_info_takes_max_running_requests_only_when_it_is_one():
