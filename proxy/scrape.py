@@ -92,8 +92,9 @@ class ScrapeSettings(BaseModel):
     use_loads: bool = Field(
         False,
         validation_alias=AliasChoices("use_loads", "use_get_load"),
-        description="queue/running counts from /v1/loads (or /get_load on older SGLang); "
-        "use_get_load is an older name for it",
+        description="queue/running counts from /v1/loads (or /get_load on older SGLang) even "
+        "where /metrics is served (without it they come from /v1/loads anyway); use_get_load "
+        "is an older name for it",
     )
 
 
