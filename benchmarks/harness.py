@@ -157,6 +157,13 @@ def nginx_conf(directory: Path, port: int, backend_port: int) -> Path:
     return conf
 
 
+def nginx_argv(directory: Path, port: int, backend_port: int) -> list[str]:
+    """The command that runs nginx with ``nginx_conf``'s config (its prefix, config and error
+    log under ``directory``)."""
+    conf = nginx_conf(directory, port, backend_port)
+    return [NGINX, "-p", str(directory), "-c", str(conf), "-e", str(directory / "error.log")]
+
+
 def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM, then SIGKILL after `grace` seconds (a SIGSTOPped child is continued first)."""
     if proc.poll() is not None:
@@ -295,11 +302,8 @@ class Harness:
         """nginx (Debian's, one worker, ``proxy_buffering off``) relaying to ``backend_url``:
         a relay written in C, as the reference for what any proxy's timing does."""
         port = free_port()
-        conf = nginx_conf(self.workdir / name, port, int(backend_url.rsplit(":", 1)[1]))
-        ngx = conf.parent
-        child = self._spawn(
-            name, [NGINX, "-p", str(ngx), "-c", str(conf), "-e", str(ngx / "error.log")]
-        )
+        argv = nginx_argv(self.workdir / name, port, int(backend_url.rsplit(":", 1)[1]))
+        child = self._spawn(name, argv)
         child.url = f"http://{HOST}:{port}"
         wait_ready(f"{child.url}/health", proc=child.proc)
         return child

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import NGINX, free_port, nginx_conf  # a script beside this one
+from harness import NGINX, free_port, nginx_argv  # a script beside this one
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench/fast"
@@ -502,10 +502,7 @@ def start_nginx(ch: Children, tmp: Path, backend_port: int, cpu: str) -> tuple[C
     """nginx (one worker, its files in ``tmp``) relaying to 127.0.0.1:``backend_port``; the
     child and the port it listens on."""
     port = free_port()
-    conf = nginx_conf(tmp / "nginx", port, backend_port)
-    ngx = conf.parent
-    argv = [NGINX, "-p", str(ngx), "-c", str(conf), "-e", str(ngx / "error.log")]
-    return ch.start("nginx", argv, cpu=cpu), port
+    return ch.start("nginx", nginx_argv(tmp / "nginx", port, backend_port), cpu=cpu), port
 
 
 def start_all(ch: Children, tmp: Path, targets: list[str]) -> tuple[dict[str, str], dict[str, int]]:

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import fill_shapes
-from harness import NGINX, nginx_conf, toml_table
+from harness import NGINX, nginx_argv, nginx_conf, toml_table
 
 from loadtest.sim.profiles import Profile
 from loadtest.sim.shapes import generate_shape
@@ -114,9 +114,7 @@ def test_nginx_config_relays_to_the_backend_port(tmp_path):
     if not Path(NGINX).exists():
         pytest.skip("nginx not installed")
     check = subprocess.run(
-        [NGINX, "-t", "-p", str(conf.parent), "-c", str(conf), "-e", str(tmp_path / "e.log")],
-        capture_output=True,
-        timeout=10,
+        [*nginx_argv(tmp_path / "ngx", 18001, 18002), "-t"], capture_output=True, timeout=10
     )
     assert check.returncode == 0, check.stderr
 
