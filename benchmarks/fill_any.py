@@ -293,6 +293,11 @@ def run_arm(
     return row
 
 
+def _n(count: int | None) -> str:
+    """A simulator's count, or n/a where it serves no metrics to count from."""
+    return "n/a" if count is None else str(count)
+
+
 def closed(clients: int) -> list[str]:
     return ["--concurrency", str(clients)]
 
@@ -442,7 +447,7 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
             for i, rd in enumerate(rounds):
                 r = rd["pair"][front]
                 lim = limits_text(r)
-                served = ", ".join(f"{k} {v}" for k, v in r["sim_served"].items())
+                served = ", ".join(f"{k} {_n(v)}" for k, v in r["sim_served"].items())
                 tag = f" r{i + 1}" if n > 1 else ""
                 lines.append(f"| {names[front]}{tag} | {arm_cells(r)} {lim} | {served} |")
         router = [rd["pair"]["router"] for rd in rounds]
@@ -497,7 +502,7 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
                 st = r["statuses"]
                 other = {k: v for k, v in st.items() if k not in ("ok", "429", "503")}
                 lim = limits_text(r)
-                served = ", ".join(f"{k} {v}" for k, v in r["sim_served"].items())
+                served = ", ".join(f"{k} {_n(v)}" for k, v in r["sim_served"].items())
                 tag = f" r{i + 1}" if n > 1 else ""
                 lines.append(
                     f"| {names[front]}{tag} | {f(r['request_throughput'])} | "

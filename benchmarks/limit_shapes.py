@@ -105,14 +105,12 @@ EVAL_SEEDS = 2
 #: say its ``max_running_requests`` either. Only the adaptive runs change: a fixed limit hears
 #: nothing.
 EVIDENCE = {
-    "full": {"gauges": "metrics", "word": True},  # /metrics and /server_info
-    # SGLang without --enable-metrics: its load report /v1/loads (current counts, no
-    # retractions) and /server_info (or the report) for the word
+    "full": {"gauges": "metrics", "word": True},
     "loads": {"gauges": "loads", "word": True},
-    # /server_info, no gauges: SGLang without --enable-metrics, older than /v1/loads
     "word": {"gauges": "none", "word": True},
-    "none": {"gauges": "none", "word": False},  # neither: our own request counts only
+    "none": {"gauges": "none", "word": False},
 }
+#: each as the results say it
 EVIDENCE_TEXT = {
     "full": "SGLang's gauges and `/server_info`",
     "loads": "SGLang's load report `/v1/loads` and `/server_info` (SGLang without "
@@ -537,9 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         "--evidence",
         choices=list(EVIDENCE),
         default="full",
-        help="what the adaptive limit hears: SGLang's gauges and /server_info (full), its load "
-        "report instead of gauges (loads: SGLang without --enable-metrics), /server_info only "
-        "(word: such an SGLang older than /v1/loads), or neither (none)",
+        help="what the adaptive limit hears: "
+        + "; ".join(f"{k}: {v.replace('`', '')}" for k, v in EVIDENCE_TEXT.items()),
     )
     ap.add_argument("--no-save", action="store_true", help="print only")
     args = ap.parse_args(argv)

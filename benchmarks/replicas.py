@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -30,6 +32,7 @@ from harness import (
     Poller,
     argument_parser,
     backend_entries,
+    commit,
     get_json,
     length_arg,
     level_row,
@@ -149,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; children stopped")
         return 130
+    given = sys.argv[1:] if argv is None else argv
     lines = [
         f"## replicas: one proxy vs two replicas in front of pp8 + tp8, {args.clients} clients",
+        "",
+        f"Command: `python benchmarks/replicas.py {shlex.join(given)}` at {commit()}",
         "",
         f"Time scale {args.time_scale} (modelled seconds); warmup {args.warmup:g} s, window "
         f"{args.duration:g} s; 1024-token prompts, output {args.output_len}; adaptive limits; two "

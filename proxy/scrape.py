@@ -313,6 +313,7 @@ class Scraper:
         stats = backend.stats
         if stats.scrape.source == "none":
             return False
+        stats.stale_after_s = self.stale_after_s
         try:
             values = parse_loads(await self._get(base + LOAD_PATHS[0], headers))
         except asyncio.CancelledError:
@@ -328,10 +329,8 @@ class Scraper:
             stats.observe_scrape(ok=False, error=f"load report: {e}"[:200])
             return False
         except Exception as e:  # as for metrics: failures age the counts
-            stats.stale_after_s = self.stale_after_s
             stats.observe_scrape(ok=False, error=f"{type(e).__name__}: {e}"[:200])
             return False
-        stats.stale_after_s = self.stale_after_s
         stats.observe_scrape(ok=True, **values)
         return True
 

@@ -275,7 +275,8 @@ class RateMeter:
 
 @dataclass(slots=True)
 class ScrapeState:
-    """The latest scrape of a backend's /metrics (gauges summed over ranks)."""
+    """The latest scrape of a backend's /metrics, or of its load report without them (counts
+    summed over ranks), and what the server said it runs at most."""
 
     #: where the counts come from: ``metrics``, ``loads`` (``/v1/loads``: a server without
     #: metrics) or ``none`` (neither is served: only the server's word, if it says one)

@@ -109,7 +109,7 @@ def closed_loop_through_proxy(
     What the proxy hears, as a real deployment decides it. ``gauges``: SGLang's ``/metrics``
     (the values of its last log point, up to 40 decode steps old, and retractions), its load
     report ``/v1/loads`` (what a server started without ``--enable-metrics`` answers: the
-    scheduler's current counts, no retractions), or none (an older SGLang without metrics).
+    scheduler's current counts, no retractions), or none (an older SGLang without either).
     ``word`` off: a server that does not say its ``max_running_requests``."""
     clock = [0.0]
     backends = []

@@ -158,7 +158,8 @@ async def test_scraper_failure_and_404():
     try:
         assert not await scraper.scrape_once(failing)
         assert failing.stats.scrape.errors == 1 and failing.stats.scrape_stale()
-        # A backend without /metrics is simply not scraped (never stale, limits not pinned).
+        # A backend without /metrics or a load report is not scraped (never stale, limits not
+        # pinned).
         assert not await scraper404.scrape_once(missing)
         assert missing.stats.scrape.source == "none"  # no load report either
         assert not missing.stats.scrape_stale()
