@@ -241,7 +241,8 @@ class AdaptiveLimit:
     (``PROBE``; none above that level): full again -> back to
     what it runs; not full for ``REOPEN_WINDOWS`` -> the capacity grew, ``START`` again. Errors
     and stale metrics back off by ``backoff``; a restart resumes at the capacity found. Never
-    below ``floor`` (a pipeline's stage count), never above ``max_limit``.
+    below ``floor`` (a pipeline's stage count: the ``pp_size`` hint, or what the server's
+    ``/server_info`` says), never above ``max_limit``.
     """
 
     name = "adaptive"
@@ -301,6 +302,11 @@ class AdaptiveLimit:
     def update(self, window: Window) -> Decision | None:
         """Judge one window; returns the decision if the limit changed."""
         w = window
+        if w.pp_size is not None and self.floor < min(w.pp_size, self.ceiling):
+            # the server says it is a pipeline: fewer requests than stages cannot fill it
+            self.floor = min(w.pp_size, self.ceiling)
+            if self._limit < self.floor:
+                return self._set(self.floor, w, Code.SERVER)
         if w.restarted:
             resumed = self._restart(w)
             if self.capacity is not None or w.max_running is None:

@@ -1,8 +1,9 @@
 """Scrape each backend's SGLang gauges: the confirming signal for the limits.
 
 Every ``interval_s`` each backend's ``/metrics`` is fetched and reduced to four numbers, landed in
-``backend.stats.observe_scrape`` (and once, and after each restart, ``/server_info``'s
-``max_running_requests``: the most requests the server says it runs at once). A backend that
+``backend.stats.observe_scrape`` (and once, and after each restart, the server's word from
+``/server_info``: ``max_running_requests``, the most requests it runs at once, and ``pp_size``,
+its pipeline's stages). A backend that
 answers 404 for ``/metrics`` (SGLang's default: metrics need ``--enable-metrics``) is read from
 its load report instead (``/v1/loads``: queue and running counts, no restarts or retractions),
 and its ``/server_info`` is still asked; one without either gives the limit only its word.
@@ -39,6 +40,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -152,14 +154,28 @@ def _repeat_rank(labels: dict[str, str]) -> tuple[int, ...] | None:
         return None
 
 
-def parse_server_info(body: bytes) -> int | None:
-    """``/server_info``'s ``max_running_requests`` (SGLang's server arguments: the most requests
-    it runs at once; None when unset or not a positive whole number)."""
-    info = orjson.loads(body)
-    value = info.get("max_running_requests") if isinstance(info, dict) else None
+@dataclass(frozen=True, slots=True)
+class ServerWord:
+    """What a server says of itself: the most requests it runs at once, and its pipeline
+    stages (each None when not said)."""
+
+    max_running_requests: int | None = None
+    pp_size: int | None = None
+
+
+def _count(info: Any, key: str) -> int | None:
+    """``info[key]`` when it is a positive whole number, else None."""
+    value = info.get(key) if isinstance(info, dict) else None
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
     return None
+
+
+def parse_server_info(body: bytes) -> ServerWord:
+    """``/server_info``'s ``max_running_requests`` and ``pp_size`` (SGLang's server arguments;
+    each None when unset or not a positive whole number)."""
+    info = orjson.loads(body)
+    return ServerWord(_count(info, "max_running_requests"), _count(info, "pp_size"))
 
 
 #: a load report's row has at least one of these
@@ -342,7 +358,9 @@ class Scraper:
         if stats.scrape.word_asked == stats.scrape.restarts:
             return
         stats.scrape.word_asked = stats.scrape.restarts
-        stats.scrape.max_running_requests = await self._server_info(base, headers)
+        word = await self._server_info(base, headers)
+        stats.scrape.max_running_requests = word.max_running_requests
+        stats.scrape.pp_size = word.pp_size
 
     async def _loads(self, name: str, base: str, headers: dict[str, str] | None) -> bytes:
         """The load report: ``/v1/loads`` where the server has it, else ``/get_load``."""
@@ -358,34 +376,33 @@ class Scraper:
             return body
         raise RuntimeError("no load report")  # not reached
 
-    async def _server_info(self, base: str, headers: dict[str, str] | None) -> int | None:
-        """What the server says it runs at most; asked once, and again after a restart. Newer
-        SGLang serves ``/server_info``, older ``/get_server_info``; no answer is no hint.
+    async def _server_info(self, base: str, headers: dict[str, str] | None) -> ServerWord:
+        """What the server says of itself; asked once, and again after a restart. Newer SGLang
+        serves ``/server_info``, older ``/get_server_info``; no answer is no hint.
 
         ``/server_info`` repeats the server's arguments: its ``max_running_requests`` is null
         unless the operator set ``--max-running-requests``. What the scheduler derived from its
         memory is then only in the load report, ``/v1/loads``, per DP rank."""
-        for paths, parse in (
-            (("/server_info", "/get_server_info"), parse_server_info),
-            (LOAD_PATHS[:1], parse_loads_max_running),
-        ):
-            for path in paths:
-                try:
-                    body = await self._get(base + path, headers)
-                except asyncio.CancelledError:
-                    raise
-                except _NotServed:
-                    continue
-                except Exception:
-                    return None
-                try:
-                    value = parse(body)
-                except ValueError:  # not JSON (orjson's error is one)
-                    value = None
-                if value is not None:
-                    return value
-                break  # served, without the number: the next source
-        return None
+        word = ServerWord()
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                word = parse_server_info(await self._get(base + path, headers))
+            except asyncio.CancelledError:
+                raise
+            except _NotServed:
+                continue
+            except Exception:  # failed, or not JSON (orjson's error is a ValueError): no word
+                pass
+            break
+        if word.max_running_requests is None:
+            try:
+                running = parse_loads_max_running(await self._get(base + LOAD_PATHS[0], headers))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                running = None
+            word = replace(word, max_running_requests=running)
+        return word
 
     async def scrape_all(self) -> None:
         backends = self._backends()

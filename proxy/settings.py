@@ -168,7 +168,9 @@ class BackendSettings(Section):
     parallelism: Literal["pp", "tp", "ep"] | None = Field(
         None, description="deployment hint; a pp backend's limit never goes below pp_size"
     )
-    pp_size: int | None = Field(None, ge=1, description="pipeline stages (with parallelism pp)")
+    pp_size: int | None = Field(
+        None, ge=1, description="pipeline stages (with parallelism pp; else SGLang's /server_info)"
+    )
     weight: float = Field(
         1.0, gt=0, description="relative share of traffic (every policy divides by it)"
     )

@@ -67,6 +67,8 @@ class Window:
     opaque: float = 0.0
     #: the most requests the server says it runs at once (its ``/server_info``), if it said
     max_running: int | None = None
+    #: the server's pipeline stages (its ``/server_info``), if it said
+    pp_size: int | None = None
     #: another routable backend could take this one's requests (the control loop says)
     elsewhere: bool = False
 
@@ -294,6 +296,8 @@ class ScrapeState:
     last_error: str | None = None
     #: ``max_running_requests`` from the server's own info (None: not said, or not asked yet)
     max_running_requests: int | None = None
+    #: ``pp_size`` from the same: the server's pipeline stages
+    pp_size: int | None = None
     #: the restart count when that was last asked (None: never): asked again after a restart
     word_asked: int | None = None
 
@@ -677,6 +681,7 @@ class BackendStats:
             awaiting=w.awaiting_area / span,
             awaiting_min=float(w.awaiting_min),
             max_running=self.scrape.max_running_requests,
+            pp_size=self.scrape.pp_size,
             elsewhere=elsewhere,
             opaque=w.opaque_area / span,
             backlog=self._waiters,
@@ -728,6 +733,7 @@ class BackendStats:
                 "restarts": self.scrape.restarts,
                 "retractions_total": self.scrape.retractions_total,
                 "max_running_requests": self.scrape.max_running_requests,
+                "pp_size": self.scrape.pp_size,
             },
         }
 

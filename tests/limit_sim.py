@@ -218,6 +218,7 @@ def closed_loop_through_proxy(
             # what the server's /server_info says, as the proxy's scraper reads it
             if word:
                 b.stats.scrape.max_running_requests = b.profile.max_running_requests
+                b.stats.scrape.pp_size = b.profile.pp_size
             if gauges == "none":
                 continue
             metrics = gauges == "metrics"

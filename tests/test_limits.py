@@ -53,6 +53,29 @@ def test_make_limit_applies_the_pp_floor_and_starts_there():
     assert make_limit(LimitSettings(initial=3, min_limit=2)).limit == 3
 
 
+def test_a_server_that_says_it_is_a_pipeline_raises_the_floor_without_a_hint():
+    # no parallelism hint: SGLang's /server_info says pp_size, and a pipeline with fewer
+    # requests than stages cannot be full
+    lim = adaptive(initial=4, max_limit=64)
+    assert lim.floor == 1
+    d = lim.update(dataclasses.replace(win(4, pressure=0.0), pp_size=8))
+    assert d is not None and (d.code, d.before, d.after) == (Code.SERVER, 4, 8)
+    assert lim.floor == 8
+    # a backend that keeps most of ours waiting is cut to what it runs, but not below the stages
+    limits = []
+    for t in range(1, 8):
+        lim.update(dataclasses.replace(win(lim.limit, t, awaiting_min=6.0), pp_size=8))
+        limits.append(lim.limit)
+    assert min(limits) == 8
+    # the word never lifts the floor past the ceiling, nor lowers it
+    capped = adaptive(max_limit=4)
+    capped.update(dataclasses.replace(win(1), pp_size=8))
+    assert (capped.floor, capped.limit) == (4, 4)
+    hinted = adaptive(floor=16)
+    hinted.update(dataclasses.replace(win(16), pp_size=4))
+    assert hinted.floor == 16
+
+
 def test_settings_reject_nonsense():
     with pytest.raises(ValidationError):
         LimitSettings(algorithm="vegas")

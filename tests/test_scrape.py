@@ -252,11 +252,29 @@ async def test_max_running_left_to_the_scheduler_is_read_from_its_load_report():
         assert b.stats.scrape.max_running_requests == 96
 
 
-def test_parse_server_info_takes_max_running_requests_only_when_it_is_one():
-    assert parse_server_info(b'{"max_running_requests": 64, "pp_size": 4}') == 64
+def test_parse_server_info_takes_each_number_only_when_it_is_one():
+    word = parse_server_info(b'{"max_running_requests": 64, "pp_size": 4}')
+    assert (word.max_running_requests, word.pp_size) == (64, 4)
     bad = ["null", "0", '"64"', "true"]
     for body in [b"{}", b"[1]", *(b'{"max_running_requests": %s}' % v.encode() for v in bad)]:
-        assert parse_server_info(body) is None
+        assert parse_server_info(body).max_running_requests is None
+    for v in bad:
+        assert parse_server_info(b'{"pp_size": %s}' % v.encode()).pp_size is None
+
+
+async def test_the_server_word_carries_its_pipeline_stages_to_the_limit():
+    # SGLang started with its defaults: no metrics, max_running_requests null in /server_info
+    # (the scheduler's in /v1/loads), pp_size there
+    routes = {
+        "/metrics": 404,
+        "/server_info": b'{"max_running_requests": null, "pp_size": 8}',
+        "/v1/loads": b'{"loads": [{"dp_rank": 0, "max_running_requests": 64}]}',
+    }
+    async with _scraping(routes) as (b, scraper):
+        await scraper.scrape_all()
+        w = b.stats.take_window()
+        assert (w.max_running, w.pp_size) == (64, 8)
+        assert b.stats.snapshot()["scrape"]["pp_size"] == 8
 
 
 async def test_scraper_asks_the_server_what_it_runs_once_and_after_a_restart():
