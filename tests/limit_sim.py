@@ -41,6 +41,8 @@ class SimRun:
     sent: int = 0
     recalled: int = 0
     served: dict[str, int] = field(default_factory=dict)
+    retractions_at: list[tuple[float, int]] = field(default_factory=list)
+    """(t, requests the first backend's engine retracted so far) at each scrape."""
 
     def throughput(self, t0: float, t1: float) -> float:
         return sum(n for t, n in self.tokens_at if t0 <= t < t1) / (t1 - t0)
@@ -214,6 +216,7 @@ def closed_loop_through_proxy(
             b.stats.stale_after_s = 3 * scrape_interval_s
 
     def scrape(t: float) -> None:
+        run.retractions_at.append((t, backends[0].sched.counters.retractions_total))
         for b in backends:
             # what the server's /server_info says, as the proxy's scraper reads it
             if word:

@@ -1,0 +1,170 @@
+"""Would a limit that never lets SGLang retract beat sending straight? An oracle on KV-bound shapes.
+
+    .venv/bin/python benchmarks/kv_thrash.py                      # tune split's KV-bound shapes
+    .venv/bin/python benchmarks/kv_thrash.py --shapes 10 --no-save   # a smoke run
+
+The adaptive limit does not cut on SGLang's retractions (proxy/limits.py, AdaptiveLimit's
+docstring). This asks whether the principle behind such a cut holds at all, before any online
+rule is built on it: "the backend's capacity is the most it runs without thrashing its KV cache",
+read as the most requests in flight at which the engine retracts (almost) none.
+
+For every KV-bound shape of a split (``loadtest.sim.shapes``; the pool binds before the running
+cap) at twice its estimated capacity in clients, fixed limits on a fine grid (limit_shapes'
+grid plus 0.6-1.2x the capacity and two steps below it) run in virtual time
+(tests/limit_sim.py) on the shape's own seed, each measured in limit_shapes' fixed-limit window:
+output tokens/s, and requests the engine retracted in the window. Per case, against the best of
+those limits (the most tokens/s):
+
+- *retraction-free*: the largest limit whose window retracted at most ``eps`` x its completions
+  (an oracle: it knows every limit's outcome, as no online rule could);
+- *direct*: the limit equal to the client count (sending straight to the backend).
+
+Both are judged on the same runs as the best, so the best's luck (it is the maximum of ~10
+noisy runs) weighs on both alike. If the oracle does no better than sending straight, a rule
+that cuts on retractions has nothing to find. Exit status 0 (a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from harness import RESULTS, commit, load_cpu, positive_int, write_results
+from limit_shapes import EXTEND, Durations, _run, fixed_grid, fixed_limit, measure, plan
+from limit_sim import SimRun
+
+from loadtest.sim.shapes import SPLITS, Shape, generate_shape, split_seeds
+
+EPSILONS = (0.0, 0.01, 0.03, 0.1)  # retracted / completed in the window
+BAR = 0.95  # x the best fixed limit, as limit_shapes' bar
+FINE = (0.6, 0.8, 0.9, 1.1, 1.2)  # extra limits, x the capacity estimate
+
+
+def retracted(run: SimRun, t0: float, t1: float) -> int:
+    xs = [n for t, n in run.retractions_at if t0 <= t <= t1]
+    return xs[-1] - xs[0] if len(xs) > 1 else 0
+
+
+def limits_for(shape: Shape, clients: int) -> list[int]:
+    grid = set(fixed_grid(shape, clients))
+    low = min(grid)
+    grid |= {round(shape.est.capacity * f) for f in FINE}
+    grid |= {round(low * EXTEND), round(low * EXTEND * EXTEND)}
+    return sorted(n for n in grid if 1 <= n <= clients)
+
+
+def case(seed: int) -> dict[str, Any]:
+    shape = generate_shape(seed)
+    clients = max(1, round(2 * shape.est.capacity))
+    p = plan(shape, clients, Durations())
+    t0, t1 = p.fixed_warmup_s, p.fixed_warmup_s + p.measure_s
+    runs: dict[int, tuple[float, int, int]] = {}
+    for n in limits_for(shape, clients):
+        run = _run(shape, clients, fixed_limit(n), t1)
+        m = measure(run, t0, t1)
+        runs[n] = (m.tokens_per_s, retracted(run, t0, t1), m.completed)
+    best = max(sorted(runs), key=lambda n: runs[n][0])
+    out: dict[str, Any] = {
+        "shape": shape.name,
+        "clients": clients,
+        "best": best,
+        "direct_ratio": runs[clients][0] / runs[best][0],
+        "direct_retracted": runs[clients][1],
+        "direct_completed": runs[clients][2],
+        "runs": runs,
+    }
+    for eps in EPSILONS:
+        calm = [n for n, (_, r, c) in runs.items() if r <= eps * max(c, 1)]
+        n = max(calm) if calm else min(runs)
+        out[f"free_{eps}"] = (n, runs[n][0] / runs[best][0])
+    return out
+
+
+def summary(xs: list[float]) -> str:
+    xs = sorted(xs)
+    return (
+        f"{xs[0]:.3f} | {xs[len(xs) // 20]:.3f} | {statistics.median(xs):.3f} | "
+        f"{sum(x < BAR for x in xs)}"
+    )
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"## KV thrash oracle: split `{meta['split']}`, {len(rows)} KV-bound shapes",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Commit {meta['commit']}; seeds {meta['seeds']}; {meta['wall_s']:.0f} s wall with "
+        f"{meta['jobs']} worker(s); {meta['load']}. Virtual time, each shape at twice its "
+        "capacity in clients, judged on its own seed (benchmarks/kv_thrash.py's docstring).",
+        "",
+        f"Direct runs that retracted anything in the window: "
+        f"{sum(r['direct_retracted'] > 0 for r in rows)} of {len(rows)}.",
+        "",
+        f"| choice (x the best fixed limit's tokens/s) | min | p5 | median | cases < {BAR} |",
+        "|---|---|---|---|---|",
+        f"| direct (limit = clients) | {summary([r['direct_ratio'] for r in rows])} |",
+    ]
+    for eps in EPSILONS:
+        xs = [r[f"free_{eps}"][1] for r in rows]
+        lines.append(f"| retraction-free, eps {eps} | {summary(xs)} |")
+    lines += [
+        "",
+        "| shape | clients | best | direct / best | retracted / completed (direct) | "
+        "retraction-free (eps 0.01) | its ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        n, ratio = r["free_0.01"]
+        lines.append(
+            f"| {r['shape']} | {r['clients']} | {r['best']} | {r['direct_ratio']:.3f} | "
+            f"{r['direct_retracted']} / {r['direct_completed']} | {n} | {ratio:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--split", choices=sorted(SPLITS), default="tune")
+    ap.add_argument("--shapes", type=positive_int, help="shapes drawn (default: the split's)")
+    ap.add_argument("--seed-base", type=int, help="first seed (default: the split's first)")
+    ap.add_argument("--jobs", type=positive_int, default=2, help="worker processes")
+    ap.add_argument("--out", type=Path, help="results path without suffix (.md and .json)")
+    ap.add_argument("--no-save", action="store_true", help="print only")
+    args = ap.parse_args(argv)
+    try:
+        seeds = split_seeds(args.split, args.shapes, args.seed_base)
+    except ValueError as exc:
+        ap.error(str(exc))
+    kv = [s for s in seeds if generate_shape(s).est.kv_bound]
+    started = time.perf_counter()
+    with multiprocessing.Pool(args.jobs) as pool:
+        rows = pool.map(case, kv, chunksize=1)
+    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    meta = {
+        "split": args.split,
+        "command": f"python benchmarks/kv_thrash.py {argv_text}".strip(),
+        "commit": commit(),
+        "seeds": f"{seeds[0]}-{seeds[-1]}",
+        "jobs": args.jobs,
+        "wall_s": time.perf_counter() - started,
+        "load": load_cpu(),
+    }
+    text = markdown(rows, meta)
+    print(text)
+    if not args.no_save:
+        out = args.out or RESULTS / f"kv_thrash-{args.split}"
+        write_results(out.name, text, {"meta": meta, "cases": rows}, out)
+        print(f"wrote {out.with_suffix('.md')} and .json", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
