@@ -1,4 +1,4 @@
-"""Would a limit that never lets SGLang retract beat sending straight? An oracle on KV-bound shapes.
+"""Would a limit set by the KV pool beat sending straight? Oracles and models on KV-bound shapes.
 
     .venv/bin/python benchmarks/kv_thrash.py                      # tune split's KV-bound shapes
     .venv/bin/python benchmarks/kv_thrash.py --shapes 10 --no-save   # a smoke run
@@ -19,14 +19,22 @@ those limits (the most tokens/s):
   (an oracle: it knows every limit's outcome, as no online rule could);
 - *direct*: the limit equal to the client count (sending straight to the backend).
 
-Both are judged on the same runs as the best, so the best's luck (it is the maximum of ~10
-noisy runs) weighs on both alike. If the oracle does no better than sending straight, a rule
-that cuts on retractions has nothing to find. Exit status 0 (a measurement).
+- *footprint*: the limit nearest (in ratio) to the pool's tokens over a running request's mean
+  footprint, its prompt plus half its answer (requests at evenly spread progress), and
+  *whole*: over its prompt plus its whole answer (every request carried to its end). The proxy
+  could compute both (``/server_info``'s ``max_total_num_tokens``; the prompt and answer
+  tokens of the requests it relays); here they come from the shape itself, so they are exact.
+
+All are judged on the same runs as the best, so the best's luck (it is the maximum of ~10
+noisy runs) weighs on them alike. If none does better than sending straight, a rule that cuts
+on retractions, or a limit modelled on token footprints, has nothing to find. Exit status 0 (a
+measurement).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import statistics
 import sys
@@ -84,6 +92,11 @@ def case(seed: int) -> dict[str, Any]:
         calm = [n for n, (_, r, c) in runs.items() if r <= eps * max(c, 1)]
         n = max(calm) if calm else min(runs)
         out[f"free_{eps}"] = (n, runs[n][0] / runs[best][0])
+    answer = sum(shape.output_len) / 2
+    for model, tokens in (("footprint", answer / 2), ("whole", answer)):
+        level = shape.profile.max_total_tokens / (shape.input_len + tokens)
+        n = min(runs, key=lambda k: abs(math.log(k / level)))
+        out[model] = (n, runs[n][0] / runs[best][0])
     return out
 
 
@@ -115,6 +128,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for eps in EPSILONS:
         xs = [r[f"free_{eps}"][1] for r in rows]
         lines.append(f"| retraction-free, eps {eps} | {summary(xs)} |")
+    for model, text in (("footprint", "prompt + half the answer"), ("whole", "prompt + answer")):
+        xs = [r[model][1] for r in rows]
+        lines.append(f"| pool / ({text}) | {summary(xs)} |")
     lines += [
         "",
         "| shape | clients | best | direct / best | retracted / completed (direct) | "
