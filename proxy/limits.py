@@ -214,7 +214,9 @@ class AdaptiveLimit:
       If most of our requests are non-streamed, the gauge alone decides. A full KV pool, and
       requests SGLang retracted (pushed back to its queue after they produced tokens), are not
       evidence by themselves: SGLang adapts its own admission after a retraction, and on the
-      generated shapes cutting on them lost throughput against sending straight.
+      generated shapes cutting on them lost throughput against sending straight; even an
+      oracle that knows the most in flight without retractions does worse than sending
+      straight (benchmarks/kv_thrash.py).
 
     A backend is full when the excess is above ``max(queue_tolerance, queue_share * limit)``
     (the tolerance) for ``FULL_WINDOWS`` judged windows; the capacity is then the window's
