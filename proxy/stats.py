@@ -575,8 +575,11 @@ class BackendStats:
         """Health saw the backend come back: the next window tells the limit to start over, and
         routing forgets its old TTFT/ITL (error penalties included: they would otherwise stay
         until it serves again, and a backend that looks slow is never picked while others have
-        room), so the returned backend counts as unmeasured and is probed first."""
+        room), so the returned backend counts as unmeasured and is probed first. The scraper
+        asks its word again (it may have come back with other arguments; without metrics this
+        is the only restart the proxy sees)."""
         self._restart_pending = True
+        self.scrape.restarts += 1
         self.ttft_ewma.reset()
         self.itl_model.reset()
 

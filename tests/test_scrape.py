@@ -99,9 +99,10 @@ def test_stale_after_failures():
 
 async def _serve(routes: dict[str, bytes | int]) -> tuple[web.AppRunner, str]:
     app = web.Application()
-    for path, answer in routes.items():
+    for path in routes:
 
-        async def handler(_request, answer=answer):
+        async def handler(_request, path=path):
+            answer = routes[path]  # read per request: a test may change what the server says
             if isinstance(answer, int):
                 return web.Response(status=answer)
             return web.Response(body=answer)
@@ -250,6 +251,25 @@ async def test_max_running_left_to_the_scheduler_is_read_from_its_load_report():
     async with _scraping(routes) as (b, scraper):
         await scraper.scrape_all()
         assert b.stats.scrape.max_running_requests == 96
+
+
+async def test_a_backend_back_from_down_is_asked_its_word_again():
+    # SGLang without metrics: no restart shows in any counter; health seeing it come back is
+    # the only sign, and it may have come back with other arguments
+    routes: dict[str, bytes | int] = {
+        "/metrics": 404,
+        "/server_info": b'{"max_running_requests": 48, "pp_size": 1}',
+        "/v1/loads": b'{"loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 0}]}',
+    }
+    async with _scraping(routes) as (b, scraper):
+        await scraper.scrape_all()
+        assert b.stats.scrape.max_running_requests == 48
+        routes["/server_info"] = b'{"max_running_requests": 96, "pp_size": 4}'
+        await scraper.scrape_all()
+        assert b.stats.scrape.max_running_requests == 48  # not asked again while it stayed up
+        b.stats.mark_restarted()
+        await scraper.scrape_all()
+        assert (b.stats.scrape.max_running_requests, b.stats.scrape.pp_size) == (96, 4)
 
 
 def test_parse_server_info_takes_each_number_only_when_it_is_one():
