@@ -64,6 +64,7 @@ from harness import (
 
 from loadtest.sim.profiles import load_profile
 from loadtest.stats import percentile
+from loadtest.workload import LengthDist
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 PROFILES = ["pp4", "pp8-cap128", "tp-kvbound", "tp-cap24", "tp-cap32"]
@@ -226,7 +227,7 @@ def workload(
     --open-warmup, and requests sent in the window may finish for --drain s after it.
     ``lengths``: loadtest's --input-len and --output-len (default: this benchmark's)."""
     warmup, drain = (args.open_warmup, args.drain) if open_loop else (args.warmup, 0)
-    inp, out = lengths or (str(INPUT_LEN), str(OUTPUT_LEN))
+    inp, out = lengths or (str(INPUT_LEN), args.output_len)
     return ["--warmup", str(warmup), "--duration", str(args.duration),
             "--input-len", inp, "--output-len", out, "--ignore-eos",
             "--seed", str(args.seed), "--drain-timeout", str(drain),
@@ -319,16 +320,28 @@ def run_pair(args: argparse.Namespace, r: int) -> dict[str, Any]:
     }
 
 
-def open_capacity() -> dict[str, Any]:
-    """Each OPEN profile's closed-loop capacity in the engine model (virtual time), req/s."""
+def length_argument(text: str) -> str:
+    """argparse type for a loadtest length (``128``, ``uniform:64-192``): checked now, passed on
+    as written."""
+    try:
+        LengthDist.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def open_capacity(output_len: str) -> dict[str, Any]:
+    """Each OPEN profile's closed-loop capacity in the engine model (virtual time), req/s, at
+    the answers' mean length."""
     from loadtest.sim.calibrate import closed_loop
 
+    answer = round(LengthDist.parse(output_len).mean)
     caps = {}
     for prof in OPEN:
         p = load_profile(profile_file(prof))
         res = closed_loop(p, int(1.5 * p.max_running_requests), input_len=INPUT_LEN,
-                          output_len=OUTPUT_LEN, think_s=0.002, jitter_s=0.002)  # fmt: skip
-        caps[prof] = {"tok_s": res.aggregate_tok_s, "req_s": res.aggregate_tok_s / OUTPUT_LEN}
+                          output_len=answer, think_s=0.002, jitter_s=0.002)  # fmt: skip
+        caps[prof] = {"tok_s": res.aggregate_tok_s, "req_s": res.aggregate_tok_s / answer}
     return caps
 
 
@@ -390,7 +403,7 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
         "",
         f"Simulator time scale {args.time_scale} (times in modelled seconds); every arm: fresh "
         f"simulators (one process per backend), warmup {args.warmup:g} s, window "
-        f"{args.duration:g} s; {INPUT_LEN}-token prompts, {OUTPUT_LEN}-token answers "
+        f"{args.duration:g} s; {INPUT_LEN}-token prompts, answers of {args.output_len} tokens "
         f"(ignore_eos), streamed chat. Proxy: policy latency, each profile's parallelism and "
         f"pp_size as hints. Profiles: benchmarks/profiles/*.toml. Repeats: {n} (ratios are the "
         f"median of each repeat's ratio; per-repeat values in brackets). Wall time "
@@ -562,6 +575,14 @@ def main() -> int:
     ap.add_argument("--queue-length", type=int, default=64, help="open: proxy queue max length")
     ap.add_argument("--deadline", type=float, default=5.0, help="open: queue deadline, modelled s")
     ap.add_argument("--seed", type=int, default=7, help="loadtest seed (prompts, arrivals)")
+    ap.add_argument(
+        "--output-len",
+        type=length_argument,
+        default=str(OUTPUT_LEN),
+        help="answer tokens, as loadtest's --output-len (e.g. uniform:64-192); ignore_eos keeps "
+        "each to its drawn length (default %(default)s: closed-loop clients that start together "
+        "then finish in waves)",
+    )
     ap.add_argument("--repeats", type=positive_int, default=1, help="rounds of every section")
     sglang_defaults_argument(ap)
     out_argument(ap, "fill_any")
@@ -575,7 +596,7 @@ def main() -> int:
     t0 = time.monotonic()
     caps = rate = None
     if "open" in only:
-        caps = open_capacity()
+        caps = open_capacity(args.output_len)
         rate = args.overload * sum(c["req_s"] for c in caps.values())
         print(f"open: capacity {sum(c['req_s'] for c in caps.values()):.2f} req/s -> "
               f"offering {rate:.2f} req/s", flush=True)  # fmt: skip

@@ -153,12 +153,22 @@ def test_single_profiles_deliver_their_throughput_in_the_engine_model(name, clie
 
 
 def test_open_capacity_is_derived_per_profile_from_the_engine_model():
-    caps = fill_any.open_capacity()
+    caps = fill_any.open_capacity(str(fill_any.OUTPUT_LEN))
     assert set(caps) == set(fill_any.OPEN)
     for c in caps.values():
         assert c["req_s"] == pytest.approx(c["tok_s"] / fill_any.OUTPUT_LEN)
     # tp-cap32 is the faster backend: an even split overloads pp4 first
     assert caps["tp-cap32"]["req_s"] > 1.3 * caps["pp4"]["req_s"]
+    # answers drawn from a range: requests per s at their mean length
+    varied = fill_any.open_capacity("uniform:96-160")
+    for c in varied.values():
+        assert c["req_s"] == pytest.approx(c["tok_s"] / 128)
+
+
+def test_a_bad_answer_length_is_refused_before_anything_starts():
+    with pytest.raises(argparse.ArgumentTypeError):
+        fill_any.length_argument("bogus")
+    assert fill_any.length_argument("uniform:64-192") == "uniform:64-192"
 
 
 def _arm(tok: float, ttft99: float, **extra: object) -> dict:
@@ -185,7 +195,7 @@ def test_report_judges_every_section_and_names_the_command():
                            **{**opened, "ttft_sent_p99": 6.0}, **proxied)}  # fmt: skip
     args = argparse.Namespace(command="python benchmarks/fill_any.py --out", time_scale=1.0,
                               warmup=5.0, duration=25.0, overload=1.1, queue_length=64,
-                              deadline=5.0, drain=90.0)  # fmt: skip
+                              deadline=5.0, drain=90.0, output_len="128")  # fmt: skip
     caps = {"pp4": {"tok_s": 768.0, "req_s": 6.0}, "tp-cap32": {"tok_s": 1152.0, "req_s": 9.0}}
     rounds = [{"single": single, "pair": pair, "open": open_}]
     text, data = fill_any.report(args, rounds, caps, 16.5, 400.0)
