@@ -192,13 +192,19 @@ def limit_trace(samples: list[tuple[float, dict]], ts: float) -> dict[str, list[
 
 
 # -- arms -------------------------------------------------------------------------------------
-def entries(urls: list[str], profiles: list[str], fixed: dict[str, int] | None = None) -> list:
-    """[[backends]] entries with each profile's own parallelism and pp_size as hints."""
+def entries(
+    urls: list[str], profiles: list[str], fixed: dict[str, int] | None = None, hints: bool = True
+) -> list:
+    """[[backends]] entries, with each profile's own parallelism and pp_size as hints unless
+    ``hints`` is off (backends listed by URL alone, as a user may: the proxy learns the rest
+    from each server's ``/server_info``)."""
     out = []
     for url, name in zip(urls, profiles, strict=True):
         p = load_profile(profile_file(name))
-        e: dict[str, Any] = {"name": backend_name(name), "url": url, "parallelism": p.parallelism,
-                             "pp_size": p.pp_size if p.parallelism == "pp" else None}  # fmt: skip
+        e: dict[str, Any] = {"name": backend_name(name), "url": url}
+        if hints:
+            e["parallelism"] = p.parallelism
+            e["pp_size"] = p.pp_size if p.parallelism == "pp" else None
         if fixed:
             e["limits"] = {"algorithm": "fixed", "initial": fixed[name]}
         out.append(e)
@@ -269,8 +275,8 @@ def run_arm(
                 sections["queue"] = {"max_length": args.queue_length,
                                      "deadline_s": args.deadline * ts}  # fmt: skip
             fixed = PAIR_FIXED if front == "fixed" else None
-            cfg = proxy_toml(entries(urls, profiles, fixed), policy="latency", time_scale=ts,
-                             **sections)  # fmt: skip
+            listed = entries(urls, profiles, fixed, hints=not args.no_hints)
+            cfg = proxy_toml(listed, policy="latency", time_scale=ts, **sections)
             url = h.proxy(cfg).url
         fetch = backends_by_name(url) if proxied else (lambda: None)
         t0 = time.monotonic()
@@ -396,6 +402,11 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
            wall: float) -> tuple[str, dict[str, Any]]:  # fmt: skip
     n = len(rounds)
     verdicts: dict[str, Any] = {}
+    listing = (
+        "each backend by URL alone (no hints)"
+        if args.no_hints
+        else "each profile's parallelism and pp_size as hints"
+    )
     lines = [
         "## fill_any: the adaptive limit on backends that are not the calibrated profiles",
         "",
@@ -404,8 +415,8 @@ def report(args: argparse.Namespace, rounds: list[dict], caps: dict | None, rate
         f"Simulator time scale {args.time_scale} (times in modelled seconds); every arm: fresh "
         f"simulators (one process per backend), warmup {args.warmup:g} s, window "
         f"{args.duration:g} s; {INPUT_LEN}-token prompts, answers of {args.output_len} tokens "
-        f"(ignore_eos), streamed chat. Proxy: policy latency, each profile's parallelism and "
-        f"pp_size as hints. Profiles: benchmarks/profiles/*.toml. Repeats: {n} (ratios are the "
+        f"(ignore_eos), streamed chat. Proxy: policy latency, {listing}. "
+        f"Profiles: benchmarks/profiles/*.toml. Repeats: {n} (ratios are the "
         f"median of each repeat's ratio; per-repeat values in brackets). Wall time "
         f"{wall:.0f} s, {load_cpu()}.",
     ]
@@ -584,6 +595,11 @@ def main() -> int:
         "then finish in waves)",
     )
     ap.add_argument("--repeats", type=positive_int, default=1, help="rounds of every section")
+    ap.add_argument(
+        "--no-hints",
+        action="store_true",
+        help="list each backend by URL alone, without its parallelism and pp_size",
+    )
     sglang_defaults_argument(ap)
     out_argument(ap, "fill_any")
     args = ap.parse_args()

@@ -195,7 +195,8 @@ def test_report_judges_every_section_and_names_the_command():
                            **{**opened, "ttft_sent_p99": 6.0}, **proxied)}  # fmt: skip
     args = argparse.Namespace(command="python benchmarks/fill_any.py --out", time_scale=1.0,
                               warmup=5.0, duration=25.0, overload=1.1, queue_length=64,
-                              deadline=5.0, drain=90.0, output_len="128")  # fmt: skip
+                              deadline=5.0, drain=90.0, output_len="128",
+                              no_hints=False)  # fmt: skip
     caps = {"pp4": {"tok_s": 768.0, "req_s": 6.0}, "tp-cap32": {"tok_s": 1152.0, "req_s": 9.0}}
     rounds = [{"single": single, "pair": pair, "open": open_}]
     text, data = fill_any.report(args, rounds, caps, 16.5, 400.0)
@@ -205,3 +206,11 @@ def test_report_judges_every_section_and_names_the_command():
     assert data["verdicts"]["single"]["tp-kvbound"]["met"]
     assert data["verdicts"]["pair"]["adaptive"]["tok_s"] == pytest.approx(1.15)
     assert data["verdicts"]["open"]["ttft_p99"] == pytest.approx(6 / 34)
+
+
+def test_backends_listed_without_hints_carry_only_their_url():
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    hinted = fill_any.entries(urls, ["pp4", "tp-cap24"])
+    assert (hinted[0]["parallelism"], hinted[0]["pp_size"]) == ("pp", 4)
+    bare = fill_any.entries(urls, ["pp4", "tp-cap24"], hints=False)
+    assert [set(e) for e in bare] == [{"name", "url"}] * 2
