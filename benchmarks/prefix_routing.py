@@ -109,6 +109,8 @@ def run_one(workload: str, front: str, args: argparse.Namespace, tag: str) -> di
             routing = {"policy": "latency", "prefix_affinity": front == "affinity"}
             if args.load_factor is not None:
                 routing["prefix_load_factor"] = args.load_factor
+            if args.lookahead is not None:
+                routing["prefix_lookahead"] = args.lookahead
             limits = {"algorithm": "fixed", "initial": args.fixed} if args.fixed else {}
             fe = h.proxy(proxy_toml(entries, time_scale=ts, routing=routing, limits=limits))
         cmd = ["--api", "chat", "--concurrency", str(args.concurrency)]
@@ -255,6 +257,8 @@ def main() -> int:
                     help="pipefill with a fixed limit per backend instead of adaptive")  # fmt: skip
     ap.add_argument("--load-factor", type=float, default=None,
                     help="pipefill's [routing] prefix_load_factor (default: its own)")  # fmt: skip
+    ap.add_argument("--lookahead", type=positive_int, default=None,
+                    help="pipefill's [routing] prefix_lookahead (1: FIFO, no holding)")  # fmt: skip
     ap.add_argument("--profile", default=PROFILE,
                     help="simulator profile of the four backends (default: tp-prefix)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="short smoke run")
