@@ -44,11 +44,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from harness import RESULTS, commit, load_cpu, positive_int, write_results
-from limit_shapes import EXTEND, Durations, _run, fixed_grid, fixed_limit, measure, plan
+from harness import RESULTS, commit, load_cpu, write_results
+from limit_shapes import (
+    EXTEND,
+    Durations,
+    _run,
+    chosen_seeds,
+    fixed_grid,
+    fixed_limit,
+    measure,
+    plan,
+    shape_set_arguments,
+)
 from limit_sim import SimRun
 
-from loadtest.sim.shapes import SPLITS, Shape, generate_shape, split_seeds
+from loadtest.sim.shapes import Shape, generate_shape
 
 EPSILONS = (0.0, 0.01, 0.03, 0.1)  # retracted / completed in the window
 BAR = 0.95  # x the best fixed limit, as limit_shapes' bar
@@ -89,15 +99,25 @@ def case(seed: int) -> dict[str, Any]:
         "runs": runs,
     }
     for eps in EPSILONS:
-        calm = [n for n, (_, r, c) in runs.items() if r <= eps * max(c, 1)]
-        n = max(calm) if calm else min(runs)
+        n = retraction_free(runs, eps)
         out[f"free_{eps}"] = (n, runs[n][0] / runs[best][0])
     answer = sum(shape.output_len) / 2
     for model, tokens in (("footprint", answer / 2), ("whole", answer)):
-        level = shape.profile.max_total_tokens / (shape.input_len + tokens)
-        n = min(runs, key=lambda k: abs(math.log(k / level)))
+        n = nearest(runs, shape.profile.max_total_tokens / (shape.input_len + tokens))
         out[model] = (n, runs[n][0] / runs[best][0])
     return out
+
+
+def retraction_free(runs: dict[int, tuple[float, int, int]], eps: float) -> int:
+    """The largest limit whose run retracted at most ``eps`` x its completions (the smallest
+    limit if every run retracted more). ``runs``: limit -> (tokens/s, retracted, completed)."""
+    calm = [n for n, (_, retracted, done) in runs.items() if retracted <= eps * max(done, 1)]
+    return max(calm) if calm else min(runs)
+
+
+def nearest(runs: dict[int, tuple[float, int, int]], level: float) -> int:
+    """The limit run closest to ``level`` in ratio."""
+    return min(runs, key=lambda n: abs(math.log(n / level)))
 
 
 def summary(xs: list[float]) -> str:
@@ -148,18 +168,12 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--split", choices=sorted(SPLITS), default="tune")
-    ap.add_argument("--shapes", type=positive_int, help="shapes drawn (default: the split's)")
-    ap.add_argument("--seed-base", type=int, help="first seed (default: the split's first)")
-    ap.add_argument("--jobs", type=positive_int, default=2, help="worker processes")
-    ap.add_argument("--out", type=Path, help="results path without suffix (.md and .json)")
-    ap.add_argument("--no-save", action="store_true", help="print only")
+    shape_set_arguments(ap)
     args = ap.parse_args(argv)
-    try:
-        seeds = split_seeds(args.split, args.shapes, args.seed_base)
-    except ValueError as exc:
-        ap.error(str(exc))
+    seeds = chosen_seeds(ap, args)
     kv = [s for s in seeds if generate_shape(s).est.kv_bound]
+    if not kv:
+        ap.error(f"no KV-bound shape among seeds {seeds[0]}-{seeds[-1]}: ask for more --shapes")
     started = time.perf_counter()
     with multiprocessing.Pool(args.jobs) as pool:
         rows = pool.map(case, kv, chunksize=1)

@@ -518,13 +518,28 @@ def _cost(shape: Shape, clients: int, seeds: int) -> float:
     return rate * (judged + 8 * (p.fixed_warmup_s + p.measure_s))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shape_set_arguments(ap: argparse.ArgumentParser) -> None:
+    """Which generated shapes to run, on how many workers, and where the results go (the
+    benchmarks on generated shapes share these)."""
     ap.add_argument("--split", choices=sorted(SPLITS), default="tune")
     ap.add_argument("--shapes", type=positive_int, help="shapes (default: the split's default)")
     ap.add_argument("--seed-base", type=int, help="first seed (default: the split's first)")
     ap.add_argument("--jobs", type=positive_int, default=2, help="worker processes")
     ap.add_argument("--out", type=Path, help="results path without suffix (.md and .json)")
+    ap.add_argument("--no-save", action="store_true", help="print only")
+
+
+def chosen_seeds(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """The seeds ``shape_set_arguments`` chose (a clear error for a range outside the split)."""
+    try:
+        return split_seeds(args.split, args.shapes, args.seed_base)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shape_set_arguments(ap)
     ap.add_argument(
         "--eval-seeds",
         type=positive_int,
@@ -538,12 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         help="what the adaptive limit hears: "
         + "; ".join(f"{k}: {v.replace('`', '')}" for k, v in EVIDENCE_TEXT.items()),
     )
-    ap.add_argument("--no-save", action="store_true", help="print only")
     args = ap.parse_args(argv)
-    try:
-        seeds = split_seeds(args.split, args.shapes, args.seed_base)
-    except ValueError as exc:
-        ap.error(str(exc))
+    seeds = chosen_seeds(ap, args)
     shapes = {s: generate_shape(s) for s in seeds}
     tasks = [
         (s, c, args.eval_seeds, args.evidence) for s in seeds for c in client_levels(shapes[s])

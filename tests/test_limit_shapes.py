@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import kv_thrash
 import limit_shapes as bench
 
 from loadtest.sim import shapes
@@ -261,3 +262,14 @@ def test_seed_ranges_outside_a_split_are_a_usage_error(capsys):
         bench.main(["--split", "tune", "--seed-base", "990", "--shapes", "20", "--no-save"])
     assert exc.value.code == 2
     assert "split 'tune'" in capsys.readouterr().err
+
+
+def test_kv_thrash_oracles_pick_by_retractions_and_by_ratio():
+    # limit -> (tokens/s, retracted, completed)
+    runs = {8: (100.0, 0, 50), 12: (120.0, 1, 60), 16: (110.0, 9, 55), 24: (90.0, 30, 40)}
+    assert kv_thrash.retraction_free(runs, 0.0) == 8
+    assert kv_thrash.retraction_free(runs, 0.02) == 12  # 1 of 60 is within 2%
+    assert kv_thrash.retraction_free(runs, 1.0) == 24
+    assert kv_thrash.retraction_free({8: (1.0, 5, 10), 12: (1.0, 9, 10)}, 0.0) == 8  # none calm
+    assert kv_thrash.nearest(runs, 13.0) == 12
+    assert kv_thrash.nearest(runs, 20.0) == 24  # 24/20 is nearer than 20/16 in ratio
