@@ -99,7 +99,8 @@ def run_one(workload: str, front: str, args: argparse.Namespace, tag: str) -> di
     """One front end on one workload, against fresh simulators."""
     ts = args.time_scale
     with Harness(f"prefix-{workload}-{front.replace(':', '-')}{tag}", time_scale=ts) as h:
-        urls = h.sims([args.profile] * BACKENDS, extra=["--enable-cache-report"], seed=args.seed)
+        report = [] if args.no_cache_report else ["--enable-cache-report"]
+        urls = h.sims([args.profile] * BACKENDS, extra=report, seed=args.seed)
         if front.startswith("router:"):
             fe = h.router(urls, front.split(":", 1)[1])
         else:
@@ -257,6 +258,9 @@ def main() -> int:
                     help="pipefill with a fixed limit per backend instead of adaptive")  # fmt: skip
     ap.add_argument("--load-factor", type=float, default=None,
                     help="pipefill's [routing] prefix_load_factor (default: its own)")  # fmt: skip
+    ap.add_argument("--no-cache-report", action="store_true",
+                    help="simulators without --enable-cache-report (SGLang's default): responses "
+                    "carry no cached_tokens, so the proxy cannot correct its index")  # fmt: skip
     ap.add_argument("--lookahead", type=positive_int, default=None,
                     help="pipefill's [routing] prefix_lookahead (1: FIFO, no holding)")  # fmt: skip
     ap.add_argument("--profile", default=PROFILE,
