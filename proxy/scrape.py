@@ -226,8 +226,8 @@ def parse_loads_max_running(body: bytes) -> int | None:
         return None
     total = 0
     for row in rows:
-        value = row.get("max_running_requests") if isinstance(row, dict) else None
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        value = _count(row, "max_running_requests")
+        if value is None:
             return None
         total += value
     return total
