@@ -53,6 +53,7 @@ from harness import (
     Poller,
     backends_by_name,
     get_text,
+    length_arg,
     level_row,
     load_cpu,
     out_argument,
@@ -326,16 +327,6 @@ def run_pair(args: argparse.Namespace, r: int) -> dict[str, Any]:
     }
 
 
-def length_argument(text: str) -> str:
-    """argparse type for a loadtest length (``128``, ``uniform:64-192``): checked now, passed on
-    as written."""
-    try:
-        LengthDist.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
 def open_capacity(output_len: str) -> dict[str, Any]:
     """Each OPEN profile's closed-loop capacity in the engine model (virtual time), req/s, at
     the answers' mean length."""
@@ -588,7 +579,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7, help="loadtest seed (prompts, arrivals)")
     ap.add_argument(
         "--output-len",
-        type=length_argument,
+        type=length_arg,
         default=str(OUTPUT_LEN),
         help="answer tokens, as loadtest's --output-len (e.g. uniform:64-192); ignore_eos keeps "
         "each to its drawn length (default %(default)s: closed-loop clients that start together "

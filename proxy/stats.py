@@ -278,7 +278,7 @@ class RateMeter:
 @dataclass(slots=True)
 class ScrapeState:
     """The latest scrape of a backend's /metrics, or of its load report without them (counts
-    summed over ranks), and what the server said it runs at most."""
+    summed over ranks), and what the server said of itself (``/server_info``)."""
 
     #: where the counts come from: ``metrics``, ``loads`` (``/v1/loads``: a server without
     #: metrics) or ``none`` (neither is served: only the server's word, if it says one)
@@ -298,7 +298,8 @@ class ScrapeState:
     max_running_requests: int | None = None
     #: ``pp_size`` from the same: the server's pipeline stages
     pp_size: int | None = None
-    #: the restart count when that was last asked (None: never): asked again after a restart
+    #: the restart count when that was last asked (None: never, or to be asked again: after a
+    #: restart the metrics show, or health saw the backend come back)
     word_asked: int | None = None
 
 
@@ -579,7 +580,7 @@ class BackendStats:
         asks its word again (it may have come back with other arguments; without metrics this
         is the only restart the proxy sees)."""
         self._restart_pending = True
-        self.scrape.restarts += 1
+        self.scrape.word_asked = None
         self.ttft_ewma.reset()
         self.itl_model.reset()
 

@@ -167,8 +167,8 @@ def test_open_capacity_is_derived_per_profile_from_the_engine_model():
 
 def test_a_bad_answer_length_is_refused_before_anything_starts():
     with pytest.raises(argparse.ArgumentTypeError):
-        fill_any.length_argument("bogus")
-    assert fill_any.length_argument("uniform:64-192") == "uniform:64-192"
+        fill_any.length_arg("bogus")
+    assert fill_any.length_arg("uniform:64-192") == "uniform:64-192"
 
 
 def _arm(tok: float, ttft99: float, **extra: object) -> dict:
