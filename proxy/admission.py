@@ -492,7 +492,7 @@ class Admission:
         predicted = None
         if prompt is not None and self.prefix is not None:
             b, blocks = self.prefix.pick(cands, prompt, backends)
-            predicted = self.prefix.learn(b, prompt, blocks)
+            predicted = self.prefix.learn(b, prompt, blocks, backends)
         else:
             b = self.policy.pick(cands) if len(cands) > 1 else cands[0]
         slots = min(seqs, max(self._cap(b), 1))  # never more than the whole limit
@@ -639,7 +639,7 @@ class Admission:
         if not cands:
             return False
         b, blocks = prefix.pick(cands, w.prompt, backends)
-        if b in prefix.homes(w.prompt, backends):
+        if b in prefix.holders(w.prompt, backends):
             return False  # w goes where its prefix lives
         best = (False, blocks)
         chosen: tuple[int, _Waiter] | None = None
@@ -654,7 +654,7 @@ class Admission:
                 continue
             # a waiter whose prefix lives on b first, then the one b holds most of
             score = (
-                b in prefix.homes(w2.prompt, backends),
+                b in prefix.holders(w2.prompt, backends),
                 prefix.index.matched(w2.prompt, b.name),
             )
             if score > best:

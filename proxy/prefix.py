@@ -17,7 +17,9 @@ The request path, as named steps:
    text, so a prefix match is a lookup of successive hashes. Hashed once per request.
 2. ``PrefixRouting.pick(candidates, prompt, backends)``: which backend with a free slot takes it
    (below), and how many of its blocks the index says that backend holds.
-3. ``PrefixRouting.learn(backend, prompt)``: at the bind, the backend now holds this prompt.
+3. ``PrefixRouting.learn(backend, prompt, blocks, backends)``: at the bind, the backend now
+   holds this prompt; it is the prompt's *home* if none of the routable backends held it, or
+   it was the home already (a request bound elsewhere leaves a copy, not a new home).
 4. ``PrefixRouting.report(backend, predicted, prompt_tokens, cached_tokens)``: what the backend
    said it had cached (``usage.prompt_tokens_details.cached_tokens``, ``meta_info.cached_tokens``)
    corrects how far the index's claims on it are trusted.
@@ -30,9 +32,10 @@ The choice among candidates:
   that discount once more for every request the backend runs: a prefill it skips would have
   stalled each of them (SGLang batches prefill with decode);
 - among the candidates within ``NEAR_BEST`` of the cheapest cost, the longest match wins (the
-  matches within ``NEAR_BEST`` of it count as equal, and the copy the prompt's leading block was
-  **sent to last** wins among them: the one a backend's LRU cache likeliest still holds, so a
-  prefix that spilled onto several backends goes on where it is used); the load bound is what
+  matches within ``NEAR_BEST`` of it count as equal, and the prefix's **home** wins among
+  them: the backend it was placed on, which its traffic keeps warm in an LRU cache; the copies
+  left where its overflow went take what the home has no room for, and age out when unused);
+  the load bound is what
   keeps a hot prefix from piling up (consistent hashing with bounded loads). Trust discounts a
   claim against backends that hold nothing, never re-ranks the backends that hold it: a trust
   that moves with every report would move prefixes from backend to backend, and each move
@@ -70,12 +73,12 @@ NEAR_BEST = 0.10
 #: weight of one report in a backend's trust (an EWMA of reported / predicted cached fraction)
 TRUST_ALPHA = 0.2
 #: bytes one index entry takes at most (its hash, bit mask, LRU links, its share of the hash
-#: table just after it grew: 160-225 measured; and its share of the last-sent map), checked in
+#: table just after it grew: 160-225 measured; and its share of the home map), checked in
 #: tests/test_prefix.py
 ENTRY_BYTES = 240
-#: the last-sent map (leading block, backend) -> when holds this many times fewer entries than
-#: the block map: a prompt has many blocks and one leading block
-SENT_SHARE = 16
+#: the home map ((leading block, backend) -> when last sent there as its home) holds this many
+#: times fewer entries than the block map: a prompt has many blocks and one leading block
+HOME_SHARE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,11 +188,12 @@ class PrefixIndex:
         self.max_entries = max(max_bytes // ENTRY_BYTES, 1)
         self._map: OrderedDict[int, int] = OrderedDict()
         #: (leading block, backend) -> the sequence number of the last prompt with that leading
-        #: block sent to that backend (LRU, ``max_entries // SENT_SHARE``)
-        self._sent: OrderedDict[int, int] = OrderedDict()
+        #: block sent to that backend as its home (LRU, ``max_entries // HOME_SHARE``)
+        self._homed: OrderedDict[int, int] = OrderedDict()
         self._seq = 0
         self.backends: dict[str, BackendPrefix] = {}
         self.evicted = 0
+        self.away = 0  # prompts sent to a backend other than their home (a copy there)
 
     def _backend(self, name: str) -> BackendPrefix:
         bp = self.backends.get(name)
@@ -222,11 +226,11 @@ class PrefixIndex:
     def matched(self, prompt: Prompt, name: str) -> int:
         return self.matches(prompt, (name,)).get(name, 0)
 
-    def last_sent(self, prompt: Prompt, name: str) -> int:
-        """When (a sequence number, 0: not known) a prompt with ``prompt``'s leading block was
-        last sent to ``name``."""
+    def homed_at(self, prompt: Prompt, name: str) -> int:
+        """When (a sequence number, 0: never, or forgotten) a prompt with ``prompt``'s leading
+        block was last sent to ``name`` as its home."""
         bp = self.backends.get(name)
-        return 0 if bp is None else self._sent.get(_sent_key(prompt, bp), 0)
+        return 0 if bp is None else self._homed.get(_home_key(prompt, bp), 0)
 
     def trust(self, name: str) -> float:
         bp = self.backends.get(name)
@@ -237,9 +241,9 @@ class PrefixIndex:
         return len(self._map)
 
     @property
-    def max_sent(self) -> int:
-        """Entries of the last-sent map at most (its bytes are counted in ``ENTRY_BYTES``)."""
-        return max(self.max_entries // SENT_SHARE, 1)
+    def max_homed(self) -> int:
+        """Entries of the home map at most (its bytes are counted in ``ENTRY_BYTES``)."""
+        return max(self.max_entries // HOME_SHARE, 1)
 
     @property
     def bytes(self) -> int:
@@ -247,9 +251,12 @@ class PrefixIndex:
 
     # ---- write ---------------------------------------------------------------------------
 
-    def learn(self, name: str, prompt: Prompt, matched_blocks: int = 0) -> None:
+    def learn(
+        self, name: str, prompt: Prompt, matched_blocks: int = 0, *, home: bool = True
+    ) -> None:
         """``name`` was sent ``prompt`` (it holds it once prefilled); ``matched_blocks``: what
-        the index predicted it held, for the predicted hit rate."""
+        the index predicted it held, for the predicted hit rate; ``home``: as the prompt's home
+        (else it holds a copy, and the home stays where it was)."""
         bp = self._backend(name)
         bp.prompt_chars += prompt.chars
         bp.matched_chars += min(matched_blocks * prompt.block, prompt.chars)
@@ -263,13 +270,16 @@ class PrefixIndex:
             d.popitem(last=False)
         if extra > 0:
             self.evicted += extra
+        if not home:
+            self.away += 1
+            return
         self._seq += 1
-        sent = self._sent
-        key = _sent_key(prompt, bp)
-        sent[key] = self._seq
-        sent.move_to_end(key)
-        if len(sent) > self.max_sent:
-            sent.popitem(last=False)
+        homed = self._homed
+        key = _home_key(prompt, bp)
+        homed[key] = self._seq
+        homed.move_to_end(key)
+        if len(homed) > self.max_homed:
+            homed.popitem(last=False)
 
     def report(
         self, name: str, predicted: float, prompt_tokens: int | None, cached_tokens: int
@@ -293,13 +303,14 @@ class PrefixIndex:
             "bytes": self.bytes,
             "max_bytes": self.max_bytes,
             "evicted": self.evicted,
-            "last_sent_entries": len(self._sent),
-            "last_sent_max": self.max_sent,
+            "away_from_home": self.away,
+            "home_entries": len(self._homed),
+            "home_max": self.max_homed,
             "backends": {n: bp.snapshot() for n, bp in self.backends.items()},
         }
 
 
-def _sent_key(prompt: Prompt, bp: BackendPrefix) -> int:
+def _home_key(prompt: Prompt, bp: BackendPrefix) -> int:
     return (prompt.hashes[0] << 16) | (bp.bit.bit_length() - 1)
 
 
@@ -408,7 +419,7 @@ class PrefixRouting:
         near = near_best(scored, [s.cost for s in scored])
         claimed = [s for s in near if s.claim > 0]
         if claimed:
-            b = self._freshest(prompt, _longest_holders([(s.backend, s.blocks) for s in claimed]))
+            b = self._home_of(prompt, _longest_holders([(s.backend, s.blocks) for s in claimed]))
             return b, matched.get(b.name, 0)
         pool = [s.backend for s in near if self._within(s.backend, fleet)]
         pool = pool or [s.backend for s in near]
@@ -418,26 +429,28 @@ class PrefixRouting:
 
     def home(self, prompt: Prompt, backends: Sequence[Routed]) -> Routed | None:
         """Where ``prompt`` would go if every routable backend had a free slot, by its claims
-        alone (the longest; among equals, where it was sent last); None when none claims it.
-        The queue reads it to let a freed slot pull the waiters whose prefix lives there."""
-        homes = self.homes(prompt, backends)
-        return self._freshest(prompt, homes) if homes else None
+        alone (the longest; among equals, its home); None when none claims it. The queue
+        reads it to let a freed slot pull the waiters whose prefix lives there."""
+        holders = self.holders(prompt, backends)
+        return self._home_of(prompt, holders) if holders else None
 
-    def homes(self, prompt: Prompt, backends: Sequence[Routed]) -> list[Routed]:
+    def holders(self, prompt: Prompt, backends: Sequence[Routed]) -> list[Routed]:
         """The routable backends holding the longest match of ``prompt`` (within NEAR_BEST of
-        it): a hot prefix that spread is at home on each of them."""
+        it): a hot prefix that spread is held equally by each of them."""
         matched = self.index.matches(prompt, [b.name for b in backends if b.routable])
         return _longest_holders([(b, matched[b.name]) for b in backends if b.name in matched])
 
-    def _freshest(self, prompt: Prompt, equal: Sequence[Routed]) -> Routed:
-        """Of backends holding ``prompt`` equally (``_longest_holders``), the one it was sent to
-        last: a backend's cache lets the least recently used prefix go first, so the copy used
-        last is the likeliest to be there still, and a prefix that spilled onto several backends
-        goes on where it is used while the other copies age out. Rendezvous hashing of the
-        leading block among copies of unknown age."""
-        sent = [(self.index.last_sent(prompt, b.name), b) for b in equal]
-        last = max(seq for seq, _ in sent)
-        return rendezvous(prompt.hashes[0], [b for seq, b in sent if seq == last])
+    def _home_of(self, prompt: Prompt, equal: Sequence[Routed]) -> Routed:
+        """Of backends holding ``prompt`` equally (``_longest_holders``), its home: the one it
+        was last sent to as its home (see :meth:`learn`). The home's cache is the one the
+        prefix's traffic keeps warm, so it is the likeliest to hold it still; a copy left where
+        its overflow went takes overflow again while it lasts, but does not draw the prefix
+        away (were each overflow a move, groups would wander from backend to backend, each
+        move evicting another prefix where it lands, and their load would drift out of
+        balance). Rendezvous hashing of the leading block among copies none of which is home."""
+        homed = [(self.index.homed_at(prompt, b.name), b) for b in equal]
+        last = max(seq for seq, _ in homed)
+        return rendezvous(prompt.hashes[0], [b for seq, b in homed if seq == last])
 
     def _prefill(self, b: Routed, out: float, claim: float) -> float:
         """Seconds of ``b``'s TTFT that a hit on ``claim`` of the prompt skips."""
@@ -474,9 +487,13 @@ class PrefixRouting:
             miss = min(miss, self._prefill(b, out, claim - held) * (1 + b.in_flight))
         return wait < miss
 
-    def learn(self, b: Routed, prompt: Prompt, blocks: int) -> float:
-        """``prompt`` was bound to ``b``; the fraction of it predicted cached there."""
-        self.index.learn(b.name, prompt, blocks)
+    def learn(self, b: Routed, prompt: Prompt, blocks: int, backends: Sequence[Routed]) -> float:
+        """``prompt`` was bound to ``b``; the fraction of it predicted cached there. ``b`` is
+        its home from now on if it was already, or if no routable backend held the prompt (a
+        placement); bound elsewhere (its home was full, or beyond its load bound), ``b`` holds
+        a copy."""
+        home = self.home(prompt, backends)
+        self.index.learn(b.name, prompt, blocks, home=home is None or home is b)
         return prompt.fraction(blocks)
 
     def report(

@@ -18,7 +18,7 @@ from proxy.admission import Admission
 from proxy.policies import Latency, RoutingSettings, make_policy, make_prefix_routing
 from proxy.prefix import (
     ENTRY_BYTES,
-    SENT_SHARE,
+    HOME_SHARE,
     PrefixIndex,
     PrefixRouting,
     prompt_of,
@@ -58,7 +58,7 @@ def bind(r: PrefixRouting, backends, obj) -> str:
     assert p is not None
     free = [b for b in backends if b.in_flight < b.limit.limit]
     b, blocks = r.pick(free, p, backends)
-    r.learn(b, p, blocks)
+    r.learn(b, p, blocks, backends)
     b.in_flight += 1
     return b.name
 
@@ -138,8 +138,8 @@ def test_index_memory_measured_stays_within_its_cap(cap_mib):
     tracemalloc.stop()
     used = sum(s.size_diff for s in after.compare_to(before, "filename"))
     assert idx.entries == idx.max_entries and idx.bytes <= cap
-    snap = idx.snapshot()  # the last-sent map (one entry per prompt here) is bounded too
-    assert snap["last_sent_entries"] == snap["last_sent_max"] == idx.max_entries // SENT_SHARE
+    snap = idx.snapshot()  # the home map (one entry per prompt here) is bounded too
+    assert snap["home_entries"] == snap["home_max"] == idx.max_entries // HOME_SHARE
     assert used <= cap, f"{used} bytes measured for a cap of {cap}"
     assert used >= 0.5 * cap  # ENTRY_BYTES is no wild overestimate either
 
@@ -233,7 +233,7 @@ def test_a_prefix_held_by_a_slower_backend_loses_to_a_much_faster_one():
     slow = measured("slow", clock, ttft=0.4, itl=0.05)
     r = routing()
     p = prompt_of(group(SYSTEM, "question " * 10), BLOCK)
-    r.learn(slow, p, 0)
+    r.learn(slow, p, 0, [fast, slow])
     b, blocks = r.pick([fast, slow], p, [fast, slow])
     assert b is fast and blocks == 0  # prefill saved (0.4 s) < decoding slower (4 s)
 
@@ -246,7 +246,7 @@ def test_a_busy_backend_holding_the_prefix_wins_the_prefill_it_spares_its_batch(
     idle = measured("idle", clock, ttft=0.5, itl=0.02, in_flight=12)
     r = routing(load_factor=2.0)
     p = prompt_of(group(SYSTEM, "question " * 10), BLOCK)
-    r.learn(held, p, 0)
+    r.learn(held, p, 0, [held, idle])
     latency = Latency()
     out = latency.mean_output([held, idle])
     alone = latency.expected_completion(held, out, p.fraction(r.index.matched(p, "held")))
@@ -254,23 +254,48 @@ def test_a_busy_backend_holding_the_prefix_wins_the_prefill_it_spares_its_batch(
     assert r.pick([held, idle], p, [held, idle])[0] is held
 
 
-def test_equal_claims_go_where_the_prefix_was_sent_last():
-    """A prefix that spilled onto several backends goes on to the copy used last (the one the
-    backends' LRU caches are likeliest to hold), not to one fixed by its hash."""
+def test_a_prefix_stays_at_its_home_when_its_overflow_leaves_copies():
+    """A group's home is where it was placed. Its overflow (the home full) leaves a copy
+    elsewhere, which takes overflow again, but the group goes back to its home once it has
+    room: an overflow does not move it. Only a backend that can no longer take it at all (not
+    routable) hands the home to a copy."""
+    clock = FakeClock()
+    fleet = [measured(n, clock, limit=16, in_flight=8) for n in "ABCD"]
+    r = routing()
+    p = prompt_of(group(SYSTEM, "question " * 10), BLOCK)
+    home = fleet[[b.name for b in fleet].index(bind(r, fleet, group(SYSTEM, "first " * 10)))]
+    assert r.home(p, fleet) is home and r.index.away == 0
+    home.in_flight = home.limit.limit  # full: the next one overflows
+    copy = bind(r, fleet, group(SYSTEM, "second " * 10))
+    assert copy != home.name and r.index.away == 1
+    assert r.home(p, fleet) is home  # a copy, not a move
+    home.in_flight = 8
+    assert bind(r, fleet, group(SYSTEM, "third " * 10)) == home.name
+    home.in_flight = home.limit.limit  # full again: the overflow goes to the copy, a hit
+    assert bind(r, fleet, group(SYSTEM, "fourth " * 10)) == copy
+    assert r.home(p, fleet) is home and r.index.away == 2
+    home.routable = False  # down: the copy is where the group lives now
+    assert r.home(p, fleet).name == copy
+    assert bind(r, fleet, group(SYSTEM, "fifth " * 10)) == copy
+    home.routable, home.in_flight = True, 8  # back: the group stays where it went on
+    assert r.home(p, fleet).name == copy
+    assert bind(r, fleet, group(SYSTEM, "sixth " * 10)) == copy
+
+
+def test_copies_none_of_which_is_home_spread_by_the_prefix_hash():
+    """Equal copies of unknown age (no home among them): rendezvous hashing of the leading
+    block chooses, so groups spread over the copies rather than onto one backend."""
     clock = FakeClock()
     backends = [measured(f"b{i}", clock) for i in range(4)]
-    r = routing()
     picks = Counter()
     for g in range(20):
+        r = routing()
         p = prompt_of(group(f"{g} " + SYSTEM, "question " * 10), BLOCK)
-        order = backends[g % 4 :] + backends[: g % 4]
-        for b in order:
-            r.learn(b, p, 0)  # every backend was sent it, order[-1] last
-        assert all(r.pick(backends, p, backends)[0] is order[-1] for _ in range(5))
-        assert r.home(p, backends) is order[-1]
-        r.learn(order[0], p, 0)  # sent again to the first: that copy is now the freshest
-        assert r.pick(backends, p, backends)[0] is order[0]
-        picks[order[0].name] += 1
+        for b in backends:
+            r.index.learn(b.name, p, home=False)
+        chosen = r.pick(backends, p, backends)[0]
+        assert all(r.pick(backends, p, backends)[0] is chosen for _ in range(5))
+        picks[chosen.name] += 1
     assert len(picks) == 4
 
 
@@ -279,8 +304,8 @@ def test_stale_claims_lose_their_weight_when_the_backend_reports_fewer_cached_to
     a, b = measured("A", clock), measured("B", clock)
     r = routing()
     p = prompt_of(group(SYSTEM, "a question " * 5), BLOCK)
-    r.learn(a, p, 0)
-    r.learn(b, p, 0)  # both were sent it; A's copy is gone (evicted, flushed)
+    r.learn(a, p, 0, [a, b])
+    r.learn(b, p, 0, [a, b])  # both were sent it; A's copy is gone (evicted, flushed)
     predicted = p.fraction(r.index.matched(p, "A"))
     for _ in range(10):
         r.report("A", predicted, 200, 0)
