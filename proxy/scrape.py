@@ -301,19 +301,18 @@ class Scraper:
         except asyncio.CancelledError:
             raise
         except _NotServed as e:
-            if stats.scrape.ok_at is None:
-                # SGLang without --enable-metrics: its load report says the same counts
-                log.warning(
-                    "backend %s: %s; reading its queue from /v1/loads instead (start SGLang "
-                    "with --enable-metrics for its metrics)",
-                    backend.name,
-                    e,
-                )
-                stats.stale_after_s = None
-                stats.scrape.source = "loads"
-                return await self.scrape_once(backend)
-            stats.observe_scrape(ok=False, error=str(e))
-            return False
+            # SGLang without --enable-metrics (started so, or restarted so: a 404 is the
+            # server's answer, not a failure to age the counts by): its load report says the
+            # same counts. Asked for metrics again when health sees it come back.
+            log.warning(
+                "backend %s: %s; reading its queue from /v1/loads instead (start SGLang "
+                "with --enable-metrics for its metrics)",
+                backend.name,
+                e,
+            )
+            stats.stale_after_s = None
+            stats.scrape.source = "loads"
+            return await self.scrape_once(backend)
         except Exception as e:  # any failure ages the metrics; the limit treats stale as full
             stats.observe_scrape(ok=False, error=f"{type(e).__name__}: {e}"[:200])
             return False
@@ -335,7 +334,8 @@ class Scraper:
         except asyncio.CancelledError:
             raise
         except (_NotServed, ValueError) as e:
-            if stats.scrape.ok_at is None:  # not served, or what answers is not one
+            # not served (now), or what answers at first is not one
+            if isinstance(e, _NotServed) or stats.scrape.ok_at is None:
                 log.warning(
                     "backend %s: no load report either (%s); not scraping it", backend.name, e
                 )

@@ -577,10 +577,11 @@ class BackendStats:
         routing forgets its old TTFT/ITL (error penalties included: they would otherwise stay
         until it serves again, and a backend that looks slow is never picked while others have
         room), so the returned backend counts as unmeasured and is probed first. The scraper
-        asks its word again (it may have come back with other arguments; without metrics this
-        is the only restart the proxy sees)."""
+        asks its word again, and for its metrics if it had none (it may have come back with
+        other arguments; without metrics this is the only restart the proxy sees)."""
         self._restart_pending = True
         self.scrape.word_asked = None
+        self.scrape.source = "metrics"
         self.ttft_ewma.reset()
         self.itl_model.reset()
 

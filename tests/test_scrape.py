@@ -272,6 +272,28 @@ async def test_a_backend_back_from_down_is_asked_its_word_again():
         assert (b.stats.scrape.max_running_requests, b.stats.scrape.pp_size) == (96, 4)
 
 
+async def test_metrics_turned_off_or_on_across_restarts_change_where_counts_come_from():
+    # restarted without --enable-metrics: the 404 is the server's answer (read its load report,
+    # not stale); back from down with them again: read its metrics again
+    routes: dict[str, bytes | int] = {
+        "/metrics": PAGE.encode(),
+        "/server_info": b'{"max_running_requests": 48}',
+        "/v1/loads": b'{"loads": [{"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 2}]}',
+    }
+    async with _scraping(routes) as (b, scraper):
+        assert await scraper.scrape_once(b) and b.stats.scrape.source == "metrics"
+        routes["/metrics"] = 404
+        assert await scraper.scrape_once(b)
+        assert b.stats.scrape.source == "loads" and b.stats.scrape.errors == 0
+        assert (b.stats.scrape.queue_reqs, b.stats.scrape.running_reqs) == (2.0, 3.0)
+        assert not b.stats.scrape_stale()
+        routes["/metrics"] = PAGE.encode()
+        assert await scraper.scrape_once(b) and b.stats.scrape.source == "loads"  # still up
+        b.stats.mark_restarted()
+        assert await scraper.scrape_once(b)
+        assert b.stats.scrape.source == "metrics" and b.stats.scrape.queue_reqs == 5.0
+
+
 def test_parse_server_info_takes_each_number_only_when_it_is_one():
     word = parse_server_info(b'{"max_running_requests": 64, "pp_size": 4}')
     assert (word.max_running_requests, word.pp_size) == (64, 4)
