@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 from harness import (
-    SGLANG_DEFAULTS,
     Harness,
     Poller,
     backends_by_name,
@@ -60,6 +59,7 @@ from harness import (
     positive_int,
     proxy_toml,
     sglang_defaults_argument,
+    sim_surface,
     write_results,
 )
 
@@ -256,7 +256,7 @@ def run_arm(
     one `loadtest run` level; the proxy's /admin/backends polled throughout. ``profiles``:
     names in benchmarks/profiles/ or .toml paths; ``lengths`` as in ``workload``."""
     ts = args.time_scale
-    sim_extra = SGLANG_DEFAULTS if args.sglang_defaults else []
+    sim_extra = sim_surface(args)
     print(f"-- {label}: {front} ...", flush=True)
     with Harness(f"fill_any-{label}-{front}", time_scale=ts) as h:
         urls = [

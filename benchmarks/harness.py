@@ -58,13 +58,48 @@ def out_argument(ap: argparse.ArgumentParser, name: str) -> None:
 SGLANG_DEFAULTS = ["--no-metrics", "--max-running-unset"]
 
 
+#: `loadtest sim` flag for a server that is not SGLang: inference, health and models only
+INFERENCE_ONLY = ["--inference-only"]
+
+
 def sglang_defaults_argument(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
+    """``--sglang-defaults`` and ``--inference-only`` (one at most): what the simulators say of
+    themselves; :func:`sim_surface` gives their flags."""
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument(
         "--sglang-defaults",
         action="store_true",
         help="simulators started as SGLang is by default: no /metrics, max_running_requests "
         "only in /v1/loads (the proxy hears that and its own requests, no gauges)",
     )
+    g.add_argument(
+        "--inference-only",
+        action="store_true",
+        help="simulators that serve inference, health and models only (no /metrics, "
+        "/server_info or load report), as a server that is not SGLang: the proxy hears only "
+        "its own requests",
+    )
+
+
+#: what each choice of :func:`sglang_defaults_argument` is called in results' names and text
+SURFACES = {
+    "sglang-defaults": "simulators with SGLang's defaults: no /metrics",
+    "inference-only": "simulators serving inference only: no /metrics, /server_info or load report",
+}
+
+
+def surface_name(args: argparse.Namespace) -> str | None:
+    """``sglang-defaults``, ``inference-only``, or None (simulators that say everything)."""
+    if args.inference_only:
+        return "inference-only"
+    return "sglang-defaults" if args.sglang_defaults else None
+
+
+def sim_surface(args: argparse.Namespace) -> list[str]:
+    """The `loadtest sim` flags :func:`sglang_defaults_argument`'s choice asks for."""
+    if args.inference_only:
+        return INFERENCE_ONLY
+    return SGLANG_DEFAULTS if args.sglang_defaults else []
 
 
 def free_port() -> int:

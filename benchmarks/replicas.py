@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from harness import (
-    SGLANG_DEFAULTS,
+    SURFACES,
     Harness,
     Poller,
     argument_parser,
@@ -40,6 +40,8 @@ from harness import (
     positive_int,
     proxy_toml,
     sglang_defaults_argument,
+    sim_surface,
+    surface_name,
     window_wall,
     write_results,
 )
@@ -50,7 +52,7 @@ PROFILES = ["pp8", "tp8"]
 def run_phase(args: argparse.Namespace, replicas: int, repeat: int = 1) -> dict[str, Any]:
     ts = args.time_scale
     with Harness(f"replicas-{replicas}-r{repeat}", time_scale=ts) as h:
-        sim = h.sim(PROFILES, extra=SGLANG_DEFAULTS if args.sglang_defaults else [])
+        sim = h.sim(PROFILES, extra=sim_surface(args))
         cfg = lambda: proxy_toml(backend_entries(sim.urls, PROFILES), time_scale=ts)  # noqa: E731
         proxies = [h.proxy(cfg(), name=f"proxy{i}") for i in range(replicas)]
 
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Time scale {args.time_scale} (modelled seconds); warmup {args.warmup:g} s, window "
         f"{args.duration:g} s; 1024-token prompts, output {args.output_len}; adaptive limits; two "
         f"replicas get {args.clients // 2} closed-loop clients each"
-        + (" (simulators with SGLang's defaults: no /metrics)" if args.sglang_defaults else "")
+        + (f" ({SURFACES[surface]})" if (surface := surface_name(args)) else "")
         + ". Wall "
         f"{time.monotonic() - t0:.0f} s, {load_cpu()}.",
         "",
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_save:
         write_results(
             "replicas"
-            + ("-sglang-defaults" if args.sglang_defaults else "")
+            + (f"-{surface}" if (surface := surface_name(args)) else "")
             + ("-quick" if args.quick else ""),
             text,
             {"time_scale": args.time_scale, "args": vars(args),

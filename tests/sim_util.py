@@ -29,6 +29,7 @@ async def running_sim(
     enable_cache_report: bool = False,
     enable_metrics: bool = True,
     max_running_arg: bool = True,
+    inference_only: bool = False,
     **faults: object,
 ) -> AsyncIterator[tuple[str, SimBackend]]:
     prof = load_profile(profile)
@@ -42,6 +43,7 @@ async def running_sim(
         enable_cache_report=enable_cache_report,
         enable_metrics=enable_metrics,
         max_running_arg=max_running_arg,
+        inference_only=inference_only,
         faults=Faults(FaultConfig(**faults)),
         trace=io.BytesIO() if trace else None,
     )

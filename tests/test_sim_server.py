@@ -471,6 +471,22 @@ async def test_without_metrics_only_metrics_is_404():
     assert info["max_running_requests"] == backend.profile.max_running_requests
 
 
+async def test_an_inference_only_server_says_nothing_of_itself_but_serves():
+    # an OpenAI-compatible server that is not SGLang: inference, health and models only
+    async with running_sim("pp8", inference_only=True) as (url, _backend):
+        async with aiohttp.ClientSession(url) as s:
+            for path in ("/metrics", "/server_info", "/get_server_info", "/v1/loads", "/get_load"):
+                async with s.get(path) as r:
+                    assert r.status == 404, path
+            for path in ("/health", "/v1/models"):
+                async with s.get(path) as r:
+                    assert r.status == 200, path
+            body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            async with s.post("/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                assert (await r.json())["usage"]["completion_tokens"] == 2
+
+
 async def test_max_running_left_to_the_scheduler_is_only_in_the_load_report():
     async with running_sim("ep8", max_running_arg=False) as (url, backend):
         async with aiohttp.ClientSession(url) as s:

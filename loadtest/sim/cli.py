@@ -32,6 +32,9 @@ SERVER_FLAGS = (
     ("--max-running-unset",
      "/server_info says max_running_requests null, as SGLang does when --max-running-requests "
      "was not given (its scheduler's value is in /v1/loads)"),
+    ("--inference-only",
+     "serve inference, health and models only: no /metrics, /server_info or load report (404), "
+     "as an OpenAI-compatible server that is not SGLang"),
 )  # fmt: skip
 
 
@@ -133,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             enable_cache_report=args.enable_cache_report,
             enable_metrics=not args.no_metrics,
             max_running_arg=not args.max_running_unset,
+            inference_only=args.inference_only,
             faults=Faults(fault_config.model_copy(), seed=args.seed + i),
             trace=trace,
         )

@@ -49,13 +49,15 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/ping", ping)
     r.add_get("/get_model_info", model_info)
     r.add_get("/model_info", model_info)
+    r.add_post("/abort_request", abort_request)
+    r.add_route("GET", "/flush_cache", flush_cache)
+    r.add_route("POST", "/flush_cache", flush_cache)
+    if app[BACKEND].inference_only:
+        return  # what it says of itself, its load and its metrics: not served (404)
     r.add_get("/get_server_info", server_info)
     r.add_get("/server_info", server_info)
     r.add_get("/get_load", get_load)
     r.add_get("/v1/loads", v1_loads)
-    r.add_post("/abort_request", abort_request)
-    r.add_route("GET", "/flush_cache", flush_cache)
-    r.add_route("POST", "/flush_cache", flush_cache)
     r.add_get("/metrics", metrics)
 
 

@@ -51,6 +51,9 @@ class SimBackend:
     #: /server_info's max_running_requests is the profile's, as if the operator passed
     #: --max-running-requests; off: null there, the scheduler's value only in /v1/loads
     max_running_arg: bool = True
+    #: serve what any OpenAI-compatible server does and no more: inference, health, models (no
+    #: /metrics, /server_info or load report), as a server that is not SGLang
+    inference_only: bool = False
     faults: Faults = field(default_factory=Faults)
     trace: IO[bytes] | None = None
     engine: Any = None
