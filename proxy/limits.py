@@ -183,6 +183,29 @@ MAX_PREFILL_SHARE = 0.8
 OPAQUE_SHARE = 0.5
 
 
+@dataclass(slots=True)
+class CutCheck:
+    """A cut made on our own count alone, waiting to be checked (``AdaptiveLimit._check_cut``):
+    what still waits at the lower level is the prefill share, but only over a whole turnover of
+    what the backend runs. Requests that arrive together (closed-loop clients with answers of
+    one length, a surge) are in prefill together for as long as the backend takes to prefill
+    them all, seconds on a deep pipeline; only once each request it runs was replaced has every
+    one of them been seen past its prefill, so the fewest waiting over that span is a share
+    that one window in a wave of prefills cannot inflate."""
+
+    level: int  # the limit cut from
+    waited: float  # the waiting the cut was read from
+    before: Phase  # the state the cut interrupted
+    share: float = math.inf  # fewest of ours waiting per request in flight since the cut
+    completions: int = 0  # requests finished since the cut
+
+    def observe(self, w: Window) -> bool:
+        """Note one judged window; True once the backend finished as many as it runs."""
+        self.share = min(self.share, w.awaiting_min / max(w.in_flight, 1e-9))
+        self.completions += w.completions
+        return self.completions >= w.in_flight
+
+
 class Phase(enum.StrEnum):
     START = "start"  # capacity unknown: the limit doubles while demand fills it
     HOLD = "hold"  # at the capacity found (or at what demand needed): probes now and then
@@ -281,7 +304,7 @@ class AdaptiveLimit:
         #: from what still waits after a cut (see ``_check_cut``)
         self.prefill_share = 0.0
         #: (level, waiting, state before) of a cut decided on our own count alone
-        self._cut: tuple[int, float, Phase] | None = None
+        self._cut: CutCheck | None = None
         self._least_excess = math.inf  # over those windows
         #: (window end, requests the backend ran) of judged windows under demand or full
         self._runs: deque[tuple[float, float]] = deque()
@@ -336,6 +359,8 @@ class AdaptiveLimit:
             # recalled): what the backend shows is what was sent before, not this limit.
             return self._cleared(w)
         if self._cut is not None:
+            if not self._cut.observe(w):
+                return None  # what still waits is being measured over a turnover: no new cut
             undo = self._check_cut(w)
             if undo is not None:
                 return undo
@@ -416,18 +441,21 @@ class AdaptiveLimit:
     # ---- transitions ------------------------------------------------------------------
 
     def _check_cut(self, w: Window) -> Decision | None:
-        """The first judged window after a cut made on our own count alone. A queue empties
-        when the limit comes down to what the backend runs, but requests in prefill (a dense
-        stream of arrivals with long prompts) wait a moment each at any level, in proportion to
-        it; one count cannot tell them apart, two levels can. Such a cut goes to what the
-        backend runs with none kept ready, so what still waits now is the share in prefill (or
-        more, if the cut left some queue: an overestimate errs towards a higher limit); it is
+        """A cut made on our own count alone, once the backend turned over what it runs at the
+        lower level (:class:`CutCheck`). A queue empties when the limit comes down to what the
+        backend runs, but requests in prefill (a dense stream of arrivals with long prompts)
+        wait a moment each at any level, in proportion to it; one count cannot tell them apart,
+        two levels can. Such a cut goes to what the backend runs with none kept ready, so the
+        fewest still waiting since is the share in prefill (or more, if the cut left some
+        queue: an overestimate errs towards a higher limit); it is
         discounted from now on, and the cut is redone with it, to what the backend runs plus
         the requests kept ready: at the level cut from, only the waiting beyond that share was
         a queue."""
-        level, waited, before = self._cut  # type: ignore[misc]
+        cut = self._cut
+        assert cut is not None
+        level, waited, before = cut.level, cut.waited, cut.before
         self._cut = None
-        self.prefill_share = min(MAX_PREFILL_SHARE, w.awaiting_min / max(w.in_flight, 1e-9))
+        self.prefill_share = min(MAX_PREFILL_SHARE, cut.share)
         queue = self._queued(waited, level)
         runs = max(1, math.floor(level - queue))
         redo = self._clamp(min(level, self._ready(runs)))
@@ -482,7 +510,7 @@ class AdaptiveLimit:
             return None  # it ran this many lately: a passing dip in its room, held through
         if alone:  # the waiting that the cut's excess was read from (``_queued`` inverted)
             p = self.prefill_share
-            self._cut = (self._limit, excess * (1.0 - p) + p * w.in_flight, self._phase)
+            self._cut = CutCheck(self._limit, excess * (1.0 - p) + p * w.in_flight, self._phase)
         if self._last_cut is None or w.in_flight >= self._last_cut[0]:
             self._last_cut = (math.ceil(w.in_flight), ran, w.running_reqs)
         return self._set(self._clamp(target), w, Code.FULL, excess=excess)

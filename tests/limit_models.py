@@ -75,7 +75,8 @@ class BatchModel:
     scraped gauge unless ``scraped`` is False). A ``prefill_share`` of the running requests is
     always in prefill (a dense arrival stream of long prompts): they wait a moment each, so the
     proxy's count of waiting requests never drops below them, while SGLang's queue gauge does
-    not count them."""
+    not count them. Each request it runs lives ``lifetime_s``: a window's completions are what it
+    runs over that."""
 
     max_running: int = 48
     demand: int | None = None  # clients: in flight cannot exceed this
@@ -83,6 +84,7 @@ class BatchModel:
     scraped: bool = True
     noise: float = 0.0
     seed: int = 0
+    lifetime_s: float = 4.0
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +105,7 @@ class BatchModel:
             queue=float(queued) if self.scraped else None,
             running=float(c - queued) if self.scraped else None,
             backlog=0 if self.demand is None else max(0, self.demand - limit),
+            completions=round((c - queued) / self.lifetime_s),
         )
 
 

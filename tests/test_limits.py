@@ -142,9 +142,33 @@ def test_full_needs_consecutive_windows_and_cuts_to_what_the_backend_runs():
     # window tells prefill from a queue; nothing waits there, and the requests kept ready return
     assert d.before == 100 and d.after == 70 and d.excess == 30.0
     assert lim.capacity == 70 and lim.phase is Phase.HOLD
-    d = lim.update(win(70, 10.0, awaiting_min=0.0, pressure=1.0))
+    # what still waits is judged once the backend finished as many as it runs (70)
+    assert lim.update(win(70, 10.0, awaiting_min=0.0, pressure=1.0, completions=40)) is None
+    d = lim.update(win(70, 11.0, awaiting_min=5.0, pressure=1.0, completions=30))
     assert d is not None and d.code is Code.PREFILL and d.after == ready(70) == 73
     assert lim.prefill_share == 0.0 and lim.capacity == 70
+
+
+def test_a_wave_of_prefills_after_a_cut_is_not_read_as_the_prefill_share():
+    """Clients that send together (answers of one length) are in prefill together for as long
+    as the backend takes to prefill them all: the first window after a cut may find most of
+    what it runs waiting. Read as the share always in prefill, that undid a right cut and hid
+    the queue from then on; over a whole turnover the wave passes and the cut stays."""
+    lim = adaptive(floor=1, initial=96)
+    lim._phase = Phase.HOLD
+    feed(lim, [win(96, t, awaiting_min=32.0, pressure=0.0) for t in range(FULL_WINDOWS)])
+    assert (lim.decision.code, lim.limit) == (Code.FULL, 64)
+    # a wave of prefills, then its decode: 64 run, nothing of ours queued
+    wave = [(48.0, 0), (30.0, 0), (12.0, 8), (0.0, 30), (0.0, 30)]
+    decisions = feed(
+        lim,
+        [win(64, 10 + i, awaiting_min=a, completions=n) for i, (a, n) in enumerate(wave)],
+    )
+    assert [d.code for d in decisions] == [Code.PREFILL]
+    assert decisions[0].after == ready(64) and lim.prefill_share == 0.0
+    assert lim.capacity == 64
+    # a queue of 32 at 96 shows again as one: the share learned does not hide it
+    assert lim.excess(win(96, 30.0, awaiting_min=32.0)) == 32.0
 
 
 def test_a_dip_in_what_the_backend_runs_is_held_through_a_lasting_one_is_cut():
