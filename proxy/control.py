@@ -70,8 +70,8 @@ class LimitControl:
         if not news and not self._complete(b, now, settling):
             return None
         self._told[st] = word
+        w = st.take_window(now, elsewhere=elsewhere)
         wave = b.in_flight - self._closed_at.get(st, 0) > _settled(b)
-        w = st.take_window(now, elsewhere=elsewhere, wave=wave)
         self._closed_at[st] = b.in_flight
         if settling and not w.restarted:
             self._settling[st] = False

@@ -354,14 +354,6 @@ class AdaptiveLimit:
             told = self._told_level(w)
             if self._limit < told:
                 return self._set(self._clamp(told), w, Code.SERVER)
-        if w.wave:
-            # Demand arrived at once: the window holds its requests' prefill, evidence of the
-            # demand and of nothing else. With the capacity unknown, send what waits, as
-            # sending straight would (a cold start need not wait out its first prefill); the
-            # windows after it judge the backend.
-            if self._phase is Phase.START and w.pressure >= PRESSURE:
-                return self._grow(w, Code.GROW)
-            return None
         if w.in_flight > w.limit + self._tolerance():
             # Still draining down to a lower limit (requests that had started cannot be
             # recalled): what the backend shows is what was sent before, not this limit.
@@ -510,8 +502,8 @@ class AdaptiveLimit:
         undo = self._undo_cut(w, ran, excess)
         if undo is not None:
             return undo
-        # on our own count, a cut leaves none ready, so that the turnover after it shows
-        # prefill alone (``_check_cut`` then redoes it, with the requests kept ready)
+        # on our own count, a cut leaves none ready, so that the next window shows prefill
+        # alone (``_check_cut`` then redoes it, with the requests kept ready)
         target = max(runs if alone else self._ready(runs), self._keep)
         self.capacity = runs
         if target >= self._limit:

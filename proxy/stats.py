@@ -71,9 +71,6 @@ class Window:
     pp_size: int | None = None
     #: another routable backend could take this one's requests (the control loop says)
     elsewhere: bool = False
-    #: demand arrived at once within the window (what is in flight rose by more than a settled
-    #: window leaves waiting): its requests' prefill is in it (the control loop says)
-    wave: bool = False
 
     @property
     def duration(self) -> float:
@@ -663,12 +660,9 @@ class BackendStats:
     def window_started(self) -> float:
         return self._win.start
 
-    def take_window(
-        self, now: float | None = None, *, elsewhere: bool = False, wave: bool = False
-    ) -> Window:
+    def take_window(self, now: float | None = None, *, elsewhere: bool = False) -> Window:
         """Close the current window and return it; a new one starts at ``now``. ``elsewhere``:
-        another routable backend could take this one's requests; ``wave``: demand arrived at
-        once within it."""
+        another routable backend could take this one's requests."""
         now = self._clock() if now is None else now
         self._integrate(now)
         w = self._win
@@ -694,7 +688,6 @@ class BackendStats:
             max_running=self.scrape.max_running_requests,
             pp_size=self.scrape.pp_size,
             elsewhere=elsewhere,
-            wave=wave,
             opaque=w.opaque_area / span,
             backlog=self._waiters,
             tokens=w.tokens,

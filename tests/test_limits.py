@@ -546,21 +546,3 @@ def test_a_cut_that_misread_a_passing_wave_is_cleared_while_it_drains():
     d = backed_off.update(win(40, 0.0, errors=6, completions=8))
     assert d is not None and d.code is Code.ERRORS
     assert backed_off.update(win(34, 1.0, in_flight=40.0)) is None and backed_off.limit == 34
-
-
-def test_a_window_demand_arrived_in_is_evidence_of_the_demand_alone():
-    """All of a cold start's first requests wait for their first token in the window they were
-    sent in: that is their prefill, not a queue. With the capacity unknown the limit sends what
-    waits (as sending straight would) at once; at a capacity found, such a window judges
-    nothing."""
-    lim = adaptive(floor=1)
-    assert lim.limit == 8
-    d = lim.update(dataclasses.replace(win(8, awaiting_min=8.0, backlog=88), wave=True))
-    assert d is not None and (d.code, d.after) == (Code.GROW, 96)
-    # without the wave the same window counts towards full, and nothing grows
-    plain = adaptive(floor=1)
-    assert plain.update(win(8, awaiting_min=8.0, backlog=88)) is None and plain.limit == 8
-    held = adaptive(floor=1, initial=64)
-    held._phase = Phase.HOLD
-    waves = [dataclasses.replace(win(64, t, awaiting_min=40.0), wave=True) for t in range(4)]
-    assert feed(held, waves) == [] and held.limit == 64
