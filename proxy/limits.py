@@ -502,8 +502,8 @@ class AdaptiveLimit:
         undo = self._undo_cut(w, ran, excess)
         if undo is not None:
             return undo
-        # on our own count, a cut leaves none ready, so that the next window shows prefill
-        # alone (``_check_cut`` then redoes it, with the requests kept ready)
+        # on our own count, a cut leaves none ready, so that the turnover after it shows
+        # prefill alone (``_check_cut`` then redoes it, with the requests kept ready)
         target = max(runs if alone else self._ready(runs), self._keep)
         self.capacity = runs
         if target >= self._limit:
