@@ -193,7 +193,7 @@ class CutCheck:
     one of them been seen past its prefill, so the fewest waiting over that span is a share
     that one window in a wave of prefills cannot inflate."""
 
-    level: int  # the limit cut from
+    level: int  # the requests in flight where the cut was made
     waited: float  # the waiting the cut was read from
     before: Phase  # the state the cut interrupted
     share: float = math.inf  # fewest of ours waiting per request in flight since the cut
@@ -510,7 +510,10 @@ class AdaptiveLimit:
             return None  # it ran this many lately: a passing dip in its room, held through
         if alone:  # the waiting that the cut's excess was read from (``_queued`` inverted)
             p = self.prefill_share
-            self._cut = CutCheck(self._limit, excess * (1.0 - p) + p * w.in_flight, self._phase)
+            # the level is what was in flight there: a limit that demand did not fill says
+            # nothing of what the backend runs
+            level = max(1, math.floor(w.in_flight))
+            self._cut = CutCheck(level, excess * (1.0 - p) + p * w.in_flight, self._phase)
         if self._last_cut is None or w.in_flight >= self._last_cut[0]:
             self._last_cut = (math.ceil(w.in_flight), ran, w.running_reqs)
         return self._set(self._clamp(target), w, Code.FULL, excess=excess)

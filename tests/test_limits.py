@@ -546,3 +546,16 @@ def test_a_cut_that_misread_a_passing_wave_is_cleared_while_it_drains():
     d = backed_off.update(win(40, 0.0, errors=6, completions=8))
     assert d is not None and d.code is Code.ERRORS
     assert backed_off.update(win(34, 1.0, in_flight=40.0)) is None and backed_off.limit == 34
+
+
+def test_a_cut_from_a_limit_demand_did_not_fill_is_redone_from_what_was_in_flight():
+    """Beside another backend, demand may fill 72 of a limit of 128. The cut's check redoes it
+    from the 72 that were there, never back up to the unfilled 128 (which would leave the
+    backend's queue to hold what the proxy should bind late)."""
+    lim = adaptive(floor=1, initial=128)
+    lim._phase = Phase.HOLD
+    feed(lim, [win(128, t, in_flight=72.0, awaiting_min=8.0, pressure=0.0) for t in range(2)])
+    assert (lim.decision.code, lim.limit) == (Code.FULL, 64)
+    d = lim.update(win(64, 5.0, awaiting_min=1.0, completions=64))  # a turnover: 1 in prefill
+    assert d is not None and d.code is Code.PREFILL
+    assert 64 < d.after <= 72
