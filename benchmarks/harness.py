@@ -53,18 +53,9 @@ def out_argument(ap: argparse.ArgumentParser, name: str) -> None:
     )
 
 
-#: `loadtest sim` flags for a server started as SGLang is by default: no /metrics (they need
-#: --enable-metrics) and max_running_requests left to the scheduler (null in /server_info)
-SGLANG_DEFAULTS = ["--no-metrics", "--max-running-unset"]
-
-
-#: `loadtest sim` flag for a server that is not SGLang: inference, health and models only
-INFERENCE_ONLY = ["--inference-only"]
-
-
 def sglang_defaults_argument(ap: argparse.ArgumentParser) -> None:
     """``--sglang-defaults`` and ``--inference-only`` (one at most): what the simulators say of
-    themselves; :func:`sim_surface` gives their flags."""
+    themselves; :func:`surface_name` names the choice, :data:`SURFACES` has its flags."""
     g = ap.add_mutually_exclusive_group()
     g.add_argument(
         "--sglang-defaults",
@@ -81,10 +72,27 @@ def sglang_defaults_argument(ap: argparse.ArgumentParser) -> None:
     )
 
 
-#: what each choice of :func:`sglang_defaults_argument` is called in results' names and text
+@dataclass(frozen=True)
+class Surface:
+    """What simulators started one way say of themselves: their `loadtest sim` flags, and how
+    results name and describe them."""
+
+    flags: tuple[str, ...]
+    text: str
+
+
+#: each choice of :func:`sglang_defaults_argument`, by the name results use
 SURFACES = {
-    "sglang-defaults": "simulators with SGLang's defaults: no /metrics",
-    "inference-only": "simulators serving inference only: no /metrics, /server_info or load report",
+    # as SGLang starts by default: no /metrics (they need --enable-metrics), and
+    # max_running_requests left to the scheduler (null in /server_info)
+    "sglang-defaults": Surface(
+        ("--no-metrics", "--max-running-unset"), "simulators with SGLang's defaults: no /metrics"
+    ),
+    # a server that is not SGLang: inference, health and models only
+    "inference-only": Surface(
+        ("--inference-only",),
+        "simulators serving inference only: no /metrics, /server_info or load report",
+    ),
 }
 
 
@@ -97,9 +105,8 @@ def surface_name(args: argparse.Namespace) -> str | None:
 
 def sim_surface(args: argparse.Namespace) -> list[str]:
     """The `loadtest sim` flags :func:`sglang_defaults_argument`'s choice asks for."""
-    if args.inference_only:
-        return INFERENCE_ONLY
-    return SGLANG_DEFAULTS if args.sglang_defaults else []
+    name = surface_name(args)
+    return list(SURFACES[name].flags) if name else []
 
 
 def free_port() -> int:

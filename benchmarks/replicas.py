@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Time scale {args.time_scale} (modelled seconds); warmup {args.warmup:g} s, window "
         f"{args.duration:g} s; 1024-token prompts, output {args.output_len}; adaptive limits; two "
         f"replicas get {args.clients // 2} closed-loop clients each"
-        + (f" ({SURFACES[surface]})" if (surface := surface_name(args)) else "")
+        + (f" ({SURFACES[surface].text})" if (surface := surface_name(args)) else "")
         + ". Wall "
         f"{time.monotonic() - t0:.0f} s, {load_cpu()}.",
         "",

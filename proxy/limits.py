@@ -303,7 +303,7 @@ class AdaptiveLimit:
         #: share of our in-flight requests that are always in prefill at this backend, learned
         #: from what still waits after a cut (see ``_check_cut``)
         self.prefill_share = 0.0
-        #: (level, waiting, state before) of a cut decided on our own count alone
+        #: a cut decided on our own count alone, until it is checked (``_check_cut``)
         self._cut: CutCheck | None = None
         self._least_excess = math.inf  # over those windows
         #: (window end, requests the backend ran) of judged windows under demand or full
