@@ -4,9 +4,11 @@ limit, apply what it decides.
 Admission calls :meth:`LimitControl.tick` after every release and from its background task;
 the virtual-time harness (tests/limit_sim.py) calls it the same way. One backend's step:
 
-1. Is its open window complete? A window lasts ``window_s``; it also ends at once when the
-   server's own ``max_running_requests`` first arrives (or changes), so that a cold start
-   need not wait a window for it. The window after a change of the
+1. Between windows: if it has its limit in flight while requests for it wait in the proxy, the
+   limit hears of the demand at once (``limit.demand``; a cold start takes what waits).
+   Otherwise, is its open window complete? A window lasts ``window_s``; it also ends at once
+   when the server's own ``max_running_requests`` first arrives (or changes), so that a cold
+   start need not wait a window for it. The window after a change of the
    limit *settles*: it is not judged, and it ends as soon as the requests the change admitted
    have had their prefill (at most ``SETTLED_AWAITING`` of the limit, or two requests, still
    without a first token) or after ``max_window_s`` — a raise is not judged inside its own
@@ -28,7 +30,7 @@ from __future__ import annotations
 import logging
 import weakref
 
-from proxy.limits import Decision
+from proxy.limits import Decision, Demand
 from proxy.routed import Routed
 from proxy.stats import BackendStats
 
@@ -68,7 +70,7 @@ class LimitControl:
         word = st.scrape.max_running_requests
         news = word is not None and self._told.get(st) != word
         if not news and not self._complete(b, now, settling):
-            return None
+            return self._demand(b, now, word, elsewhere)
         self._told[st] = word
         w = st.take_window(now, elsewhere=elsewhere)
         wave = b.in_flight - self._closed_at.get(st, 0) > _settled(b)
@@ -82,18 +84,40 @@ class LimitControl:
         except Exception:  # a limit's bug must not fail requests: keep the old limit
             log.exception("limit update failed for backend %s", b.name)
             return None
-        after = lim.limit
-        if after == before:
+        if lim.limit == before:
             if wave:  # demand arrived at once: its requests have their prefill before a verdict
                 self._settling[st] = True
             return d
+        self._changed(b, d, before, now, elsewhere)
+        return d
+
+    def _demand(self, b: Routed, now: float, word: int | None, elsewhere: bool) -> Decision | None:
+        """Between windows: the backend has its limit in flight and requests wait for it."""
+        st, lim = b.stats, b.limit
+        before = lim.limit
+        if st.waiters <= 0 or b.in_flight < before:
+            return None
+        try:
+            d = lim.demand(Demand(now, b.in_flight, st.waiters, word, elsewhere))
+        except Exception:  # as in a window's update: keep the old limit
+            log.exception("limit demand failed for backend %s", b.name)
+            return None
+        if lim.limit != before:
+            self._changed(b, d, before, now, elsewhere)
+        return d
+
+    def _changed(
+        self, b: Routed, d: Decision | None, before: int, now: float, elsewhere: bool
+    ) -> None:
+        """Apply a new limit: the window now open settles, and requests above a lower limit
+        that the backend has not answered go back to the proxy's queue."""
+        st, after = b.stats, b.limit.limit
         self._settling[st] = True
         st.observe_in_flight(b.in_flight, after, now)
         log.info("backend %s limit %s", b.name, d if d is not None else f"{before}->{after}")
         excess = b.in_flight - st.recalling - after
         if excess > 0 and elsewhere:
             st.recall_unanswered(excess)
-        return d
 
     @staticmethod
     def _complete(b: Routed, now: float, settling: bool) -> bool:

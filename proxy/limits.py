@@ -82,6 +82,8 @@ class Limit(Protocol):
 
     def update(self, window: Window) -> Decision | None: ...
 
+    def demand(self, now: Demand) -> Decision | None: ...
+
     def reset(self) -> None: ...
 
     def snapshot(self) -> dict: ...
@@ -133,6 +135,21 @@ class Decision:
         return f"{self.code.value} {self.before}->{self.after}{extra}"
 
 
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """A moment, between windows, at which a backend has its limit in flight and requests for
+    it wait in the proxy (the control loop looks at every tick)."""
+
+    end: float  # when (named as a window's end: a decision is stamped with it)
+    in_flight: float
+    backlog: int  # this backend's share of the proxy's queue
+    #: what the server says it runs at most, and whether another backend could take its
+    #: requests, as a window carries them
+    max_running: int | None = None
+    elsewhere: bool = False
+    pressure: float = 1.0  # the whole moment is at the limit with requests waiting
+
+
 class FixedLimit:
     name = "fixed"
 
@@ -149,6 +166,9 @@ class FixedLimit:
         return None
 
     def update(self, window: Window) -> Decision | None:
+        return None
+
+    def demand(self, now: Demand) -> Decision | None:
         return None
 
     def reset(self) -> None:
@@ -413,6 +433,20 @@ class AdaptiveLimit:
                 return self._set(nxt, w, Code.PROBE)
         return None
 
+    def demand(self, now: Demand) -> Decision | None:
+        """Demand above the limit, seen as it arrives rather than at the end of a window. With
+        the capacity unknown (``START``) and the last judged window not showing the backend
+        full, the limit takes what waits at once, the step a judged window under pressure
+        would take (``_grow``): that is what sending straight to the backend would do, so it
+        cannot deliver less, and a cold start does not hold a deep pipeline at its first limit
+        for the rest of a window it began idle (the engine's waves keep the phase that the
+        first seconds gave them). The windows after judge any queue it makes."""
+        if self._phase is not Phase.START or self._full or now.backlog <= 0:
+            return None
+        if now.in_flight < self._limit:
+            return None
+        return self._grow(now, Code.GROW)
+
     def excess(self, w: Window) -> float:
         """Requests of ours the backend kept waiting all through the window (see class doc)."""
         ours = self._queued(w.awaiting_min, w.in_flight)
@@ -560,7 +594,7 @@ class AdaptiveLimit:
         as it would with no limit at all."""
         return max((r for _, r in self._runs), default=0.0)
 
-    def _grow(self, w: Window, code: Code) -> Decision | None:
+    def _grow(self, w: Window | Demand, code: Code) -> Decision | None:
         level = self._limit
         nxt = max(2 * level, level + w.backlog)
         if w.max_running is not None:
@@ -622,7 +656,7 @@ class AdaptiveLimit:
         every peak. A few requests bound early cost the proxy little late binding."""
         return math.floor(runs + self._tolerance_at(runs))
 
-    def _told_level(self, w: Window) -> int:
+    def _told_level(self, w: Window | Demand) -> int:
         """The limit for a server that says it runs ``w.max_running``. Its cap is a count that
         does not move (unlike a capacity read from what it ran, whose room moves around it), so
         the one reason to send more is the step: at exactly the cap, a slot that a step frees
@@ -654,7 +688,7 @@ class AdaptiveLimit:
     def _set(
         self,
         new: int,
-        w: Window,
+        w: Window | Demand,
         code: Code,
         *,
         excess: float | None = None,

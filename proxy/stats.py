@@ -526,6 +526,11 @@ class BackendStats:
                 done += 1
         return done
 
+    @property
+    def waiters(self) -> int:
+        """This backend's share of the requests waiting in the proxy's queue now."""
+        return self._waiters
+
     def observe_waiters(self, waiters: int, now: float | None = None) -> None:
         """This backend's share of the requests waiting in the proxy's queue changed (admission
         reports it): time at the limit with waiters is the window's ``pressure``, the share at

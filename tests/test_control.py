@@ -104,6 +104,34 @@ def test_demand_arriving_at_once_settles_like_a_raise():
     assert b.limit.decision.code is Code.FULL and b.limit.limit < 40
 
 
+def test_demand_above_a_cold_limit_raises_it_at_the_next_tick_and_that_window_settles():
+    """A cold start does not wait for the end of a window it began idle: the tick after the
+    clients arrive takes what waits, and the window that was open settles (unjudged) while
+    their prefills run."""
+    clock = FakeClock()
+    b = backend(clock)
+    control = LimitControl()
+    clock.advance(0.6)
+    keys = [b.stats.observe_sent() for _ in range(8)]
+    b.in_flight = 8
+    b.stats.observe_in_flight(8, 8)
+    b.stats.observe_waiters(40)
+    clock.advance(0.1)
+    decisions = control.tick([b], clock.t)
+    assert [(d.code, d.after) for _, d in decisions] == [(Code.GROW, 48)]
+    assert b.stats.window_started == 1000.0  # the window goes on, now settling
+    b.in_flight = 48
+    b.stats.observe_in_flight(48, 48)
+    b.stats.observe_waiters(0)
+    keys += [b.stats.observe_sent() for _ in range(40)]
+    clock.advance(0.4)
+    assert control.tick([b], clock.t) == [] and b.stats.window_started == 1000.0
+    for k in keys[:45]:
+        b.stats.observe_answered(key=k)
+    clock.advance(0.1)
+    assert control.tick([b], clock.t) == [] and b.stats.window_started == clock.t
+
+
 @pytest.mark.parametrize("alone", [False, True])
 def test_a_limit_that_falls_below_what_is_in_flight_recalls_the_unanswered(alone):
     """...so that they bind to whichever backend frees first; with no other backend to go to,

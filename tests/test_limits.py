@@ -17,6 +17,7 @@ from proxy.limits import (
     FULL_WINDOWS,
     AdaptiveLimit,
     Code,
+    Demand,
     FixedLimit,
     LimitSettings,
     Phase,
@@ -117,6 +118,28 @@ def test_grows_only_while_demand_fills_the_limit():
     # a small backlog still doubles
     d = lim.update(win(108, 31.0, backlog=5))
     assert d is not None and d.code is Code.GROW and d.after == 216
+
+
+def test_a_cold_start_takes_demand_as_it_arrives_not_at_a_windows_end():
+    """With the capacity unknown, demand above the limit is what sending straight would put on
+    the backend: the limit takes it at the moment it is seen (the step a window under pressure
+    would take), up to what the server says it runs. Only then: not under the limit, not with
+    nothing waiting, not once a window showed the backend full, not at a capacity found."""
+    lim = adaptive(floor=8)
+    assert lim.demand(Demand(0.1, in_flight=8, backlog=88)) is not None
+    assert (lim.decision.code, lim.decision.before, lim.limit) == (Code.GROW, 8, 96)
+    assert lim.demand(Demand(0.2, in_flight=96, backlog=3)).after == 192  # at least doubles
+    assert lim.demand(Demand(0.3, in_flight=100, backlog=50)) is None  # under the limit
+    assert lim.demand(Demand(0.4, in_flight=192, backlog=0)) is None  # nothing waits
+    told = adaptive(floor=8)
+    d = told.demand(Demand(0.1, in_flight=8, backlog=500, max_running=64, elsewhere=True))
+    assert d is not None and d.after == 64
+
+    full = adaptive(floor=8, initial=64)
+    assert full.update(win(64, 0.0, awaiting_min=20.0)) is None  # one window full so far
+    assert full.demand(Demand(1.1, in_flight=64, backlog=50)) is None
+    assert full.update(win(64, 1.0, awaiting_min=20.0)).code is Code.FULL
+    assert full.phase is Phase.HOLD and full.demand(Demand(2.1, 46, backlog=50)) is None
 
 
 def test_never_below_the_floor_even_when_the_backend_runs_fewer():
