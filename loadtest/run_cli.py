@@ -10,6 +10,7 @@ Documentation: docs/loadtest.md.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
@@ -252,6 +253,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     w.add_argument("--turns", type=int, default=None, metavar="K",
                    help="multi-turn: turns per conversation (default 4)")  # fmt: skip
+    w.add_argument(
+        "--turn-delay", type=float, default=None, metavar="S",
+        help="multi-turn: mean seconds a client thinks between an answer and its next turn "
+        "(exponential draws; default 0: at once)",
+    )  # fmt: skip
     w.add_argument("--dataset", metavar="FILE", help="ShareGPT JSON or JSONL prompts")
     w.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths, arrivals")
     w.add_argument(
@@ -309,8 +315,11 @@ def _validate(args: argparse.Namespace) -> None:
             args.workload != "shared-prefix"
         ):
             raise CliError(f"{flag} is for --workload shared-prefix", status=2)
-    if args.turns is not None and args.workload != "multi-turn":
-        raise CliError("--turns is for --workload multi-turn", status=2)
+    for flag in ("--turns", "--turn-delay"):
+        if getattr(args, flag[2:].replace("-", "_")) is not None and args.workload != "multi-turn":
+            raise CliError(f"{flag} is for --workload multi-turn", status=2)
+    if args.turn_delay is not None and not 0 <= args.turn_delay < math.inf:
+        raise CliError("--turn-delay must be a number of seconds >= 0", status=2)
     if args.workload == "multi-turn" and args.rate:
         raise CliError(
             "--workload multi-turn needs closed-loop clients (--concurrency): each keeps a "
@@ -384,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
         rates=args.rate or [],
         arrival=args.arrival,
         max_in_flight=args.max_in_flight,
+        turn_delay=args.turn_delay or 0.0,
         duration=args.duration
         if args.duration is not None
         else (None if args.requests is not None else DEFAULT_DURATION),

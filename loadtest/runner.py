@@ -1,5 +1,6 @@
-"""Runs one level: closed loop (C workers, each sending the moment its last request ended)
-or open loop (arrivals at rate R on an absolute schedule, latency from the scheduled time).
+"""Runs one level: closed loop (C workers, each sending the moment its last request ended, or
+after a think time drawn around ``turn_delay`` if one is set) or open loop (arrivals at rate R
+on an absolute schedule, latency from the scheduled time).
 
 A level has a warmup, a steady-state window W and a drain. In duration mode W is
 ``[t0 + warmup, t0 + warmup + duration)``; no new request starts after W, and requests still
@@ -42,6 +43,9 @@ class LevelPlan:
     requests: int | None = None
     drain_timeout: float = 60.0
     max_in_flight: int = 10_000  # open loop: cap on requests in flight (the rest wait)
+    #: closed loop: mean seconds a worker thinks between an answer and its next request
+    #: (exponential draws, seeded per worker); 0: it sends at once
+    turn_delay: float = 0.0
 
     @property
     def open_loop(self) -> bool:
@@ -178,12 +182,17 @@ async def run_level(
         # dispatch delay = this send - the previous request's end (a worker's first send is
         # part of the start-up burst, not a slot freeing, so it has none)
         t_free: float | None = None
+        think = random.Random(f"{arrival_seed}:think:{worker_offset + w}")
         while may_start(time.monotonic()):
             rec = RequestRecord(level=plan.level, worker=w, t_scheduled=0.0, t_send=0.0)
             await one(rec, closed=True)
             if t_free is not None:
                 delays.append(rec.t_send - t_free)
             t_free = rec.t_end if rec.t_end is not None else time.monotonic()
+            if plan.turn_delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), think.expovariate(1.0 / plan.turn_delay))
+                t_free = time.monotonic()  # the think time is the client's, not a dispatch delay
         if not first_idle:
             first_idle.append(time.monotonic())
 
@@ -301,6 +310,7 @@ class SweepOptions:
     rates: list[float] = field(default_factory=list)
     arrival: Literal["poisson", "constant"] = "poisson"
     max_in_flight: int = 10_000
+    turn_delay: float = 0.0  # modelled seconds (see LevelPlan)
     duration: float | None = 30.0  # modelled seconds (see time_scale)
     warmup: float = 10.0
     requests: int | None = None
@@ -322,6 +332,7 @@ class SweepOptions:
             requests=self.requests,
             drain_timeout=self.drain_timeout * s,
             max_in_flight=self.max_in_flight,
+            turn_delay=self.turn_delay * s,
         )
         if self.rates:
             # a modelled rate R means R / s arrivals per wall second
@@ -447,6 +458,7 @@ class Sweep:
                     "duration_s": opts.duration,
                     "requests": opts.requests,
                     "drain_timeout_s": opts.drain_timeout,
+                    "turn_delay_s": opts.turn_delay,
                     "repeat": opts.repeat,
                     "processes": opts.processes,
                 },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sys
 from collections import Counter
@@ -137,6 +138,30 @@ async def test_multi_turn_against_the_simulator_hits_its_history(api):
     assert 0.4 < level.cache["hit_rate"] < 1.0
 
 
+async def test_a_turn_delay_is_the_clients_think_time_not_a_dispatch_delay():
+    """Each client waits an exponential think time (mean ``turn_delay``) between an answer and
+    its next turn, as a person reading it would; the runner's dispatch delay (its own lateness)
+    leaves that time out."""
+    config = _config(workload="multi-turn", turns=4, ignore_eos=True)
+    delay = 0.2
+    async with running_sim("tp8") as (url, _backend):
+        target = Target(url)
+        async with make_session(target, 2) as session:
+            result = await run_level(
+                session, target, Workload(config),
+                LevelPlan(concurrency=2, warmup=0.0, duration=None, requests=12,
+                          turn_delay=delay),
+                stop=asyncio.Event(),
+            )  # fmt: skip
+    gaps = []
+    for w in (0, 1):
+        recs = sorted((r for r in result.records if r.worker == w), key=lambda r: r.t_send)
+        gaps += [b.t_send - a.t_end for a, b in itertools.pairwise(recs)]
+    assert len(gaps) >= 8 and all(g >= 0 for g in gaps)
+    assert sum(gaps) / len(gaps) > delay / 4  # mean 0.2 s: below 0.05 s is ~1e-4 likely
+    assert sorted(result.dispatch_delays)[len(result.dispatch_delays) // 2] < delay / 4
+
+
 @pytest.fixture
 def fake(unused_port):
     with ThreadedFake(FakeState(), unused_port) as server:
@@ -151,6 +176,9 @@ def fake(unused_port):
         (["--workload", "shared-prefix", "--prefix-skew", "1.5"], "--prefix-skew"),
         (["--workload", "multi-turn", "--turns", "0"], "--turns must be >= 1"),
         (["--turns", "3"], "--turns is for --workload multi-turn"),
+        (["--turn-delay", "1"], "--turn-delay is for --workload multi-turn"),
+        (["--workload", "multi-turn", "--turn-delay", "-1"], "--turn-delay must be"),
+        (["--workload", "multi-turn", "--turn-delay", "nan"], "--turn-delay must be"),
         (["--workload", "multi-turn", "--rate", "2"], "needs closed-loop"),
         (["--workload", "shared-prefix", "--shared-prefix", "5"], "--shared-prefix is for"),
     ],
