@@ -21,7 +21,10 @@ Workloads (closed loop, chat API, one level of ``--concurrency`` clients):
   128-token answers) together are about twice what one backend's pool holds beside its
   running requests, about half of what four hold. Where histories outgrow even four pools
   (questions of 256 tokens: the running requests alone nearly fill each pool) every router hit
-  ~40% and affinity gained 1.04x (results/history/2026-12-06/prefix_routing-c6871fa.md);
+  ~40% and affinity gained 1.04x (results/history/2026-12-06/prefix_routing-c6871fa.md).
+  Each client sends its next turn at once unless ``--turn-delay`` gives it a think time: at
+  once, the slot its answer freed is still free, so routing by load alone keeps a conversation
+  on the backend that holds its history (results/prefix_routing-multi-turn-think.md);
 - ``skewed``: ``shared-prefix`` with one group carrying ``SKEW`` of the traffic.
 
 The simulators run in real time (``--time-scale 1.0``): sped up (0.25), four simulators, the
@@ -118,6 +121,8 @@ def run_one(workload: str, front: str, args: argparse.Namespace, tag: str) -> di
         cmd += ["--warmup", str(args.warmup), "--duration", str(args.duration)]
         cmd += ["--drain-timeout", "0", "--output-len", args.output_len, "--seed", "7"]
         cmd += WORKLOADS[workload]
+        if workload == "multi-turn" and args.turn_delay:
+            cmd += ["--turn-delay", str(args.turn_delay)]
         t0 = time.monotonic()
         result = h.loadtest(fe.url, cmd, name=f"loadtest-{workload}-{front}")
         wall = time.monotonic() - t0
@@ -250,6 +255,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=30.0, help="modelled s before the window")
     ap.add_argument("--duration", type=float, default=60.0, help="modelled s measured")
     ap.add_argument("--output-len", default="128")
+    ap.add_argument("--turn-delay", type=float, default=0.0,
+                    help="multi-turn: mean modelled s a client thinks between turns")  # fmt: skip
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--fronts", default=",".join(FRONTS))
     ap.add_argument("--repeats", type=positive_int, default=1)
