@@ -11,8 +11,10 @@ the virtual-time harness (tests/limit_sim.py) calls it the same way. One backend
    start need not wait a window for it. The window after a change of the
    limit *settles*: it is not judged, and it ends as soon as the requests the change admitted
    have had their prefill (at most ``SETTLED_AWAITING`` of the limit, or two requests, still
-   without a first token) or after ``max_window_s`` — a raise is not judged inside its own
-   prefill wave, and a backend that keeps requests waiting shows it in the windows after.
+   without a first token), or once the backend has answered none for a whole window and for
+   longer than the wave took to its last first token (what still waits then waits for room,
+   not prefill), or after ``max_window_s`` — a raise is not judged inside its own prefill
+   wave, and a backend that keeps requests waiting shows it in the windows after.
    Demand arriving under the limit admits a wave just as a raise does (a cold start's
    clients all at once, after the server's word set the limit with nothing in flight): a
    window in which what is in flight rose by more than a settled window leaves waiting is
@@ -45,7 +47,8 @@ class LimitControl:
     each had in flight when its last window closed)."""
 
     def __init__(self) -> None:
-        self._settling: weakref.WeakKeyDictionary[BackendStats, bool]
+        #: backends whose open window settles, and since when (the change, or the arrival)
+        self._settling: weakref.WeakKeyDictionary[BackendStats, float]
         self._settling = weakref.WeakKeyDictionary()
         #: the server's max_running_requests each backend's limit has been given
         self._told: weakref.WeakKeyDictionary[BackendStats, int | None] = (
@@ -66,7 +69,7 @@ class LimitControl:
 
     def _step(self, b: Routed, now: float, elsewhere: bool) -> Decision | None:
         st, lim = b.stats, b.limit
-        settling = self._settling.get(st, False)
+        settling = self._settling.get(st)
         word = st.scrape.max_running_requests
         news = word is not None and self._told.get(st) != word
         if not news and not self._complete(b, now, settling):
@@ -75,8 +78,8 @@ class LimitControl:
         w = st.take_window(now, elsewhere=elsewhere)
         wave = b.in_flight - self._closed_at.get(st, 0) > _settled(b)
         self._closed_at[st] = b.in_flight
-        if settling and not w.restarted:
-            self._settling[st] = False
+        if settling is not None and not w.restarted:
+            del self._settling[st]
             return None
         before = lim.limit
         try:
@@ -86,7 +89,7 @@ class LimitControl:
             return None
         if lim.limit == before:
             if wave:  # demand arrived at once: its requests have their prefill before a verdict
-                self._settling[st] = True
+                self._settling[st] = now
             return d
         self._changed(b, d, before, now, elsewhere)
         return d
@@ -112,7 +115,7 @@ class LimitControl:
         """Apply a new limit: the window now open settles, and requests above a lower limit
         that the backend has not answered go back to the proxy's queue."""
         st, after = b.stats, b.limit.limit
-        self._settling[st] = True
+        self._settling[st] = now
         st.observe_in_flight(b.in_flight, after, now)
         log.info("backend %s limit %s", b.name, d if d is not None else f"{before}->{after}")
         excess = b.in_flight - st.recalling - after
@@ -120,14 +123,22 @@ class LimitControl:
             st.recall_unanswered(excess)
 
     @staticmethod
-    def _complete(b: Routed, now: float, settling: bool) -> bool:
-        s = b.limit.settings
-        age = now - b.stats.window_started
+    def _complete(b: Routed, now: float, settling: float | None) -> bool:
+        s, st = b.limit.settings, b.stats
+        age = now - st.window_started
         if age >= s.max_window_s:
             return True
-        if settling:
-            return b.stats.awaiting <= _settled(b)
-        return age >= s.window_s
+        if settling is None:
+            return age >= s.window_s
+        if st.awaiting <= _settled(b):
+            return True
+        # The wave is over though some still wait: since its last first token the backend has
+        # answered none for a whole window, and for longer than the wave took to get there.
+        # What waits now waits for room, not for prefill, and the windows after judge it.
+        last = st.answered_at
+        return (
+            last is not None and last >= settling and now - last >= max(s.window_s, last - settling)
+        )
 
 
 def _settled(b: Routed) -> float:

@@ -221,7 +221,7 @@ class CutCheck:
 
     def observe(self, w: Window) -> bool:
         """Note one judged window; True once the backend finished as many as it runs."""
-        self.share = min(self.share, w.awaiting_min / max(w.in_flight, 1e-9))
+        self.share = min(self.share, w.awaiting_min / max(w.in_flight_at_fewest, 1e-9))
         self.completions += w.completions
         return self.completions >= w.in_flight
 
@@ -262,8 +262,10 @@ class AdaptiveLimit:
       straight (benchmarks/kv_thrash.py).
 
     A backend is full when the excess is above ``max(queue_tolerance, queue_share * limit)``
-    (the tolerance) for ``FULL_WINDOWS`` judged windows; the capacity is then the window's
-    in-flight count minus the smallest excess seen, and the limit that plus the tolerance,
+    (the tolerance) for ``FULL_WINDOWS`` judged windows; the capacity is then what it ran in
+    the one of them that ran the most (in flight when the fewest waited, less the excess: each
+    window's pair, as arrivals may fill it from one window to the next), and the limit that
+    plus the tolerance,
     which the backend keeps ready (``_ready``). A cut that took what the backend ran rather
     than what it kept waiting is undone (``_undo_cut``), and no cut goes below it again.
     Windows right after a change,
@@ -325,7 +327,9 @@ class AdaptiveLimit:
         self.prefill_share = 0.0
         #: a cut decided on our own count alone, until it is checked (``_check_cut``)
         self._cut: CutCheck | None = None
-        self._least_excess = math.inf  # over those windows
+        #: (in flight, kept waiting) in the one of those windows that ran the most (the in-flight
+        #: count of the moment the fewest waited: ``Window.in_flight_at_fewest``)
+        self._fullest: tuple[float, float] | None = None
         #: (window end, requests the backend ran) of judged windows under demand or full
         self._runs: deque[tuple[float, float]] = deque()
         self._last_excess = math.inf  # in the last of them
@@ -386,20 +390,22 @@ class AdaptiveLimit:
                 return undo
         excess = self.excess(w)
         if excess > self._tolerance() or w.pressure >= PRESSURE:
-            self._note_runs(w.end, w.in_flight - excess)
+            self._note_runs(w.end, w.in_flight_at_fewest - excess)
         if excess > self._tolerance():
             if self._full and excess < self._last_excess - self._tolerance():
                 # The queue is emptying by itself: a wave of prefills (after a surge or a big
                 # raise) drains, a full backend's queue stays. Start counting again.
-                self._full, self._least_excess = 0, math.inf
+                self._forget_full()
             self._full += 1
             self._last_excess = excess
-            self._least_excess = min(self._least_excess, excess)
+            at = w.in_flight_at_fewest
+            if self._fullest is None or at - excess > self._fullest[0] - self._fullest[1]:
+                self._fullest = (at, excess)
             self._open = 0
             if self._full >= FULL_WINDOWS:
                 return self._full_at(w)
             return None
-        self._full, self._least_excess = 0, math.inf
+        self._forget_full()
         if self._over_target(w):
             if self._slow < FULL_WINDOWS:
                 return None  # no growth while above the target; a step down once it persists
@@ -449,7 +455,7 @@ class AdaptiveLimit:
 
     def excess(self, w: Window) -> float:
         """Requests of ours the backend kept waiting all through the window (see class doc)."""
-        ours = self._queued(w.awaiting_min, w.in_flight)
+        ours = self._queued(w.awaiting_min, w.in_flight_at_fewest)
         if w.queue_reqs is None:
             return ours
         scraped_total = (w.running_reqs or 0.0) + w.queue_reqs
@@ -495,7 +501,7 @@ class AdaptiveLimit:
         redo = self._clamp(min(level, self._ready(runs)))
         if redo <= self._limit:
             return None
-        self._full, self._least_excess = 0, math.inf
+        self._forget_full()
         self.capacity = runs
         # The cut was (partly) a misreading: carry on in the state it interrupted.
         self._phase = before
@@ -518,15 +524,16 @@ class AdaptiveLimit:
         self._phase = Phase.START
         self.capacity = None
         self._keep, self._last_cut, self._cut = 0, None, None
-        self._full, self._least_excess = 0, math.inf
+        self._forget_full()
         return self._set(self._clamp(level), w, Code.CLEARED, excess=excess)
 
     def _full_at(self, w: Window) -> Decision | None:
-        ran = max(1, math.floor(w.in_flight - self._least_excess))
+        assert self._fullest is not None, "only after windows that showed the backend full"
+        at, excess = self._fullest
+        ran = max(1, math.floor(at - excess))
         runs = max(ran, math.floor(self._peak()))
         alone = w.queue_reqs is None  # judged on our own count: prefill may be in it
-        excess = self._least_excess
-        self._full, self._least_excess = 0, math.inf
+        self._forget_full()
         if self._phase is Phase.PROBE:  # the probe confirmed the capacity: probe less often
             self._probe_wait = min(self.settings.probe_every_s, 2 * self._probe_wait)
         else:  # a capacity read now: check it soon
@@ -546,8 +553,8 @@ class AdaptiveLimit:
             p = self.prefill_share
             # the level is what was in flight there: a limit that demand did not fill says
             # nothing of what the backend runs
-            level = max(1, math.floor(w.in_flight))
-            self._cut = CutCheck(level, excess * (1.0 - p) + p * w.in_flight, self._phase)
+            level = max(1, math.floor(at))
+            self._cut = CutCheck(level, excess * (1.0 - p) + p * at, self._phase)
         if self._last_cut is None or w.in_flight >= self._last_cut[0]:
             self._last_cut = (math.ceil(w.in_flight), ran, w.running_reqs)
         return self._set(self._clamp(target), w, Code.FULL, excess=excess)
@@ -580,6 +587,9 @@ class AdaptiveLimit:
         self._keep, self._last_cut = level, None
         self.capacity = ran_there
         return self._set(self._clamp(level), w, Code.UNDO, excess=excess)
+
+    def _forget_full(self) -> None:
+        self._full, self._fullest = 0, None
 
     def _note_runs(self, at: float, runs: float) -> None:
         self._runs.append((at, runs))
@@ -620,7 +630,7 @@ class AdaptiveLimit:
         nxt = self._clamp(min(self._limit - 1, math.floor(self._limit * self.settings.backoff)))
         self._phase = Phase.HOLD
         self._demand_since = None
-        self._full, self._least_excess = 0, math.inf
+        self._forget_full()
         return self._set(nxt, w, code)
 
     def _over_target(self, w: Window) -> bool:

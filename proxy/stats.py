@@ -62,6 +62,10 @@ class Window:
     #: the fewest of our streamed requests without a token yet at any moment of the window:
     #: prefill makes a request wait a moment, only a queue keeps some waiting all window long
     awaiting_min: float = 0.0
+    #: our requests in flight at the moment ``awaiting_min`` was reached (None: not recorded,
+    #: the mean stands in): the fewest waiting are a share of what was in flight *then*; where
+    #: the count moves within a window (open-loop arrivals, a raise filling), its mean is not
+    in_flight_at_min: float | None = None
     #: time-averaged count of our requests whose first token the proxy cannot see
     #: (non-streamed: their answer arrives whole), left out of ``awaiting``
     opaque: float = 0.0
@@ -75,6 +79,11 @@ class Window:
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def in_flight_at_fewest(self) -> float:
+        """In flight when the fewest waited (``in_flight_at_min``, else the mean)."""
+        return self.in_flight if self.in_flight_at_min is None else self.in_flight_at_min
 
 
 class DecayingEwma:
@@ -318,6 +327,7 @@ class _WindowAcc:
     pressure_time: float = 0.0
     awaiting_area: float = 0.0
     awaiting_min: int = 0
+    in_flight_at_min: int = 0  # in flight when awaiting_min was reached
     opaque_area: float = 0.0
 
 
@@ -366,6 +376,8 @@ class BackendStats:
         self._limit = 0
         self._waiters = 0  # our share of the requests waiting in the proxy's queue (admission)
         self._awaiting = 0  # streamed requests sent upstream without a token yet
+        #: when a streamed request last produced its first token (or ended without one)
+        self.answered_at: float | None = None
         self._opaque = 0  # non-streamed requests upstream (no first token to see)
         self._opaque_keys: set[int] = set()
         self._send_seq = 0
@@ -491,13 +503,17 @@ class BackendStats:
 
     def observe_answered(self, now: float | None = None, key: int | None = None) -> None:
         """A request sent upstream produced its first token, or ended without one."""
-        self._integrate(self._clock() if now is None else now)
+        now = self._clock() if now is None else now
+        self._integrate(now)
         if key is not None and key in self._opaque_keys:
             self._opaque_keys.discard(key)
             self._opaque = max(0, self._opaque - 1)
         else:
             self._awaiting = max(0, self._awaiting - 1)
-            self._win.awaiting_min = min(self._win.awaiting_min, self._awaiting)
+            self.answered_at = now
+            if self._awaiting < self._win.awaiting_min:
+                self._win.awaiting_min = self._awaiting
+                self._win.in_flight_at_min = self._in_flight
         if key is not None:
             self._recallable.pop(key, None)
             self._recalled.discard(key)
@@ -690,6 +706,7 @@ class BackendStats:
             pressure=w.pressure_time / span,
             awaiting=w.awaiting_area / span,
             awaiting_min=float(w.awaiting_min),
+            in_flight_at_min=float(w.in_flight_at_min),
             max_running=self.scrape.max_running_requests,
             pp_size=self.scrape.pp_size,
             elsewhere=elsewhere,
@@ -710,7 +727,9 @@ class BackendStats:
             itl_p50=weighted_median(w.itls),
         )
         self._restart_pending = False
-        self._win = _WindowAcc(start=now, awaiting_min=self._awaiting)
+        self._win = _WindowAcc(
+            start=now, awaiting_min=self._awaiting, in_flight_at_min=self._in_flight
+        )
         return out
 
     def snapshot(self) -> dict:

@@ -86,3 +86,33 @@ def test_rate_meter_counts_what_fell_in_its_horizon(events, horizon):
         assert meter.rate(now) == pytest.approx(expected)
     later = now + 2 * horizon
     assert meter.rate(later) == 0.0
+
+
+def test_the_fewest_waiting_are_paired_with_what_was_in_flight_then():
+    """Where the count in flight moves within a window (open-loop arrivals, a raise filling),
+    the fewest waiting for a first token are a share of what was in flight at that moment,
+    not of the window's mean."""
+    from adapt_fakes import FakeClock
+
+    from proxy.stats import BackendStats
+
+    clock = FakeClock()
+    st = BackendStats(clock=clock)
+    keys = [st.observe_sent() for _ in range(10)]
+    st.observe_in_flight(10, 100)
+    st.take_window()
+    clock.advance(0.1)
+    for k in keys[:4]:
+        st.observe_answered(key=k)  # 6 wait of the 10
+    clock.advance(0.1)
+    more = [st.observe_sent() for _ in range(50)]
+    st.observe_in_flight(60, 100)  # arrivals: 56 wait of 60, for the rest of the window
+    clock.advance(0.8)
+    w = st.take_window()
+    assert w.awaiting_min == 6 and w.in_flight_at_fewest == 10
+    assert w.in_flight > 40  # the mean, which the fewest waiting are not a share of
+    # the next window starts paired with what is in flight at its start
+    st.observe_answered(key=more[0])
+    clock.advance(1.0)
+    w = st.take_window()
+    assert (w.awaiting_min, w.in_flight_at_fewest) == (55, 60)

@@ -70,6 +70,41 @@ def test_the_window_after_a_change_settles_until_its_requests_had_their_prefill(
     assert b.stats.window_started == clock.t
 
 
+@pytest.mark.parametrize("gap", [0.05, 0.25])
+def test_a_settling_window_ends_once_the_wave_is_answered_and_the_backend_falls_silent(gap):
+    """After a raise, the backend answers its wave of prefills, then none while the rest wait
+    for room: once it has been silent for a whole window, and for longer than the wave took,
+    the settling window ends (before max_window_s) and the windows after judge the queue. A
+    wave still answering (first tokens every 0.25 s for 2.5 s) keeps it settling."""
+    clock = FakeClock()
+    b = backend(clock, initial=20)
+    control = LimitControl()
+    b.in_flight = 20
+    b.stats.observe_in_flight(20, 20)
+    b.stats.observe_waiters(30)
+    clock.advance(1.0)
+    assert [d.code for _, d in control.tick([b], clock.t)] == [Code.GROW]
+    raised = clock.t
+    keys = [b.stats.observe_sent() for _ in range(30)]  # what waited goes out
+    b.in_flight = 50
+    b.stats.observe_in_flight(50, b.limit.limit)
+    b.stats.observe_waiters(0)
+    for k in keys[:10]:  # the wave's first tokens
+        clock.advance(gap)
+        b.stats.observe_answered(key=k)
+    wave = clock.t - raised
+    clock.advance(0.95)
+    control.tick([b], clock.t)
+    assert b.stats.window_started == raised  # silent, but not for a whole window yet
+    clock.advance(0.1)
+    control.tick([b], clock.t)
+    if wave < 1.0:  # 0.5 s of wave, then a window of silence: the settling window ends
+        assert b.stats.window_started == clock.t < raised + b.limit.settings.max_window_s
+    else:  # 2.5 s of wave: a silence shorter than that may be a pause inside it
+        assert b.stats.window_started == raised
+    assert b.limit.limit == 50  # ended unjudged
+
+
 def test_demand_arriving_at_once_settles_like_a_raise():
     """The server's word set the limit with nothing in flight; then the clients all arrive.
     Their wait for prefill behind each other is not a queue: the window after the one they

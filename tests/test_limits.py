@@ -142,6 +142,34 @@ def test_a_cold_start_takes_demand_as_it_arrives_not_at_a_windows_end():
     assert full.phase is Phase.HOLD and full.demand(Demand(2.1, 46, backlog=50)) is None
 
 
+def test_what_the_backend_runs_is_read_at_the_moment_the_fewest_waited():
+    """Requests arriving through a window raise its mean in flight above what was in flight
+    when the fewest waited: a backend that kept 40 of 72 waiting runs 32, not the mean (100)
+    less 40. Taking the mean would set the capacity 28 too high and hide that queue."""
+    lim = adaptive(floor=8, initial=128)
+    lim._phase = Phase.HOLD
+    windows = [
+        dataclasses.replace(
+            win(128, float(t), in_flight=100.0, awaiting_min=40.0, pressure=0.0),
+            in_flight_at_min=72.0,
+        )
+        for t in range(FULL_WINDOWS)
+    ]
+    d = feed(lim, windows)[-1]
+    assert d.code is Code.FULL and lim.capacity == 32 and lim.limit == 32
+    # and each full window's waiting is paired with its own count: arrivals filling the
+    # backend from 65 to 127 in flight (33, then 95 waiting) is a backend that runs 32, not
+    # the second window's count less the first window's waiting (94)
+    lim = adaptive(floor=8, initial=128)
+    lim._phase = Phase.HOLD
+    filling = [
+        win(128, 0.0, in_flight=65.0, awaiting_min=33.0, pressure=0.0),
+        win(128, 1.0, in_flight=127.0, awaiting_min=95.0, pressure=0.0),
+    ]
+    d = feed(lim, filling)[-1]
+    assert d.code is Code.FULL and lim.capacity == 32 and lim.limit == 32
+
+
 def test_never_below_the_floor_even_when_the_backend_runs_fewer():
     lim = adaptive(floor=8)
     drive(lim, BatchModel(max_running=3), 60)
