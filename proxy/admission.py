@@ -357,8 +357,12 @@ class Admission:
         timeout = self.queue_deadline_s if deadline is None else max(deadline, 0.0)
         waiter.timer = loop.call_later(timeout, self._expire, priority, key)
         # A slot may be free: the waiters ahead hold out for their prefix's home, or this one
-        # does. Hand out now, as a release would, rather than at the next release or tick.
-        self._dispatch(self._backends(), now)
+        # does. Hand out now, as a release would, rather than at the next release or tick;
+        # and a limit that takes what waits (a cold start) hears of this one at once.
+        backends = self._backends()
+        self._dispatch(backends, now)
+        if self.control.demand(backends, now):
+            self._dispatch(backends, now)
         try:
             return await waiter.fut
         except asyncio.CancelledError:

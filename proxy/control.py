@@ -1,8 +1,9 @@
 """The limits' control loop: cut each backend's observations into windows, feed them to its
 limit, apply what it decides.
 
-Admission calls :meth:`LimitControl.tick` after every release and from its background task;
-the virtual-time harness (tests/limit_sim.py) calls it the same way. One backend's step:
+Admission calls :meth:`LimitControl.tick` after every release and from its background task,
+and :meth:`LimitControl.demand` when a request joins its queue; the virtual-time harness
+(tests/limit_sim.py) calls them the same way. One backend's step:
 
 1. Between windows: if it has its limit in flight while requests for it wait in the proxy, the
    limit hears of the demand at once (``limit.demand``; a cold start takes what waits).
@@ -63,6 +64,19 @@ class LimitControl:
         routable = sum(1 for b in backends if b.routable)
         for b in backends:
             d = self._step(b, now, elsewhere=routable > (1 if b.routable else 0))
+            if d is not None:
+                out.append((b, d))
+        return out
+
+    def demand(self, backends: list[Routed], now: float) -> list[tuple[Routed, Decision]]:
+        """The proxy's queue just grew: every backend at its limit with requests waiting for it
+        hears of the demand at once (step 1's first half, without waiting for a tick). Only
+        raises come of it, so nothing is recalled."""
+        out = []
+        routable = sum(1 for b in backends if b.routable)
+        for b in backends:
+            word = b.stats.scrape.max_running_requests
+            d = self._demand(b, now, word, elsewhere=routable > (1 if b.routable else 0))
             if d is not None:
                 out.append((b, d))
         return out

@@ -127,6 +127,12 @@ def closed_loop_through_proxy(
 
     def dispatch(now: float) -> None:
         hand_out(now)
+        note_waiters(now)
+        if control.demand(backends, now):  # as proxy/admission does when its queue grows
+            hand_out(now)
+            note_waiters(now)
+
+    def note_waiters(now: float) -> None:
         for b in backends:  # as proxy/admission does: requests waiting here = pressure
             b.stats.observe_waiters(len(queued), now)
 

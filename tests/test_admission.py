@@ -67,6 +67,30 @@ async def test_a_burst_never_exceeds_limits():
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def test_a_cold_limit_takes_a_burst_as_it_queues_not_at_the_next_tick():
+    """Nothing known of the backend: sending what waits is what sending straight would do, so
+    requests queued above its first limit are bound as they arrive (the limit grows), with no
+    release and no control tick in between. A fixed limit holds them."""
+    from proxy.limits import AdaptiveLimit
+
+    clock = FakeClock()
+    cold = FakeBackend("a", clock=clock, limit_obj=AdaptiveLimit(LimitSettings(), floor=8))
+    adm = admission([cold], clock=clock)
+    tasks = [asyncio.create_task(adm.acquire()) for _ in range(40)]
+    await settle()
+    assert all(t.done() for t in tasks) and cold.in_flight == 40 and adm.depth == 0
+    assert cold.limit.limit >= 40 and cold.limit.decision.code.value == "grow"
+
+    fixed = FakeBackend("b", 8)
+    adm = admission([fixed], clock=clock)
+    tasks += [asyncio.create_task(adm.acquire()) for _ in range(40)]
+    await settle()
+    assert fixed.in_flight == 8 and adm.depth == 32
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def test_interactive_goes_before_batch_and_fifo_within_class():
     a = FakeBackend("a", 1)
     adm = admission([a])
