@@ -138,7 +138,7 @@ class Decision:
 @dataclass(frozen=True, slots=True)
 class Demand:
     """A moment, between windows, at which a backend has its limit in flight and requests for
-    it wait in the proxy (the control loop looks at every tick)."""
+    it wait in the proxy (the control loop looks at every tick and when a request queues)."""
 
     end: float  # when (named as a window's end: a decision is stamped with it)
     in_flight: float
@@ -327,8 +327,9 @@ class AdaptiveLimit:
         self.prefill_share = 0.0
         #: a cut decided on our own count alone, until it is checked (``_check_cut``)
         self._cut: CutCheck | None = None
-        #: (in flight, kept waiting) in the one of those windows that ran the most (the in-flight
-        #: count of the moment the fewest waited: ``Window.in_flight_at_fewest``)
+        #: of the judged windows in a row that showed the backend full, (in flight, kept
+        #: waiting) of the one that ran the most, the count taken at the moment the fewest
+        #: waited (``Window.in_flight_at_fewest``)
         self._fullest: tuple[float, float] | None = None
         #: (window end, requests the backend ran) of judged windows under demand or full
         self._runs: deque[tuple[float, float]] = deque()
