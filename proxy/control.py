@@ -63,7 +63,7 @@ class LimitControl:
         out = []
         routable = sum(1 for b in backends if b.routable)
         for b in backends:
-            d = self._step(b, now, elsewhere=routable > (1 if b.routable else 0))
+            d = self._step(b, now, elsewhere=_elsewhere(b, routable))
             if d is not None:
                 out.append((b, d))
         return out
@@ -76,7 +76,7 @@ class LimitControl:
         routable = sum(1 for b in backends if b.routable)
         for b in backends:
             word = b.stats.scrape.max_running_requests
-            d = self._demand(b, now, word, elsewhere=routable > (1 if b.routable else 0))
+            d = self._demand(b, now, word, elsewhere=_elsewhere(b, routable))
             if d is not None:
                 out.append((b, d))
         return out
@@ -153,6 +153,11 @@ class LimitControl:
         return (
             last is not None and last >= settling and now - last >= max(s.window_s, last - settling)
         )
+
+
+def _elsewhere(b: Routed, routable: int) -> bool:
+    """Could another of the ``routable`` backends take ``b``'s requests?"""
+    return routable > (1 if b.routable else 0)
 
 
 def _settled(b: Routed) -> float:
