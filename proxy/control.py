@@ -5,8 +5,13 @@ Admission calls :meth:`LimitControl.tick` after every release and from its backg
 and :meth:`LimitControl.demand` when a request joins its queue; the virtual-time harness
 (tests/limit_sim.py) calls them the same way. One backend's step:
 
-1. Between windows: if it has its limit in flight while requests for it wait in the proxy, the
-   limit hears of the demand at once (``limit.demand``; a cold start takes what waits).
+1. Between windows: if it has its limit in flight while requests for it wait in the proxy,
+   the limit hears of the demand at once (``limit.demand``; a cold start takes what waits).
+   Not where another backend could take those requests and this one keeps more than a
+   settled window leaves waiting for a first token since a window ago or longer: a wait that
+   long is a queue (or a prefill slower than a window), a request sent into it can no longer
+   go to whichever backend frees first, and the windows after judge it. A cold start's burst
+   has waited no time yet, and with no other backend holding requests back gains nothing.
    Otherwise, is its open window complete? A window lasts ``window_s``; it also ends at once
    when the server's own ``max_running_requests`` first arrives (or changes), so that a cold
    start need not wait a window for it. The window after a change of the
@@ -109,11 +114,15 @@ class LimitControl:
         return d
 
     def _demand(self, b: Routed, now: float, word: int | None, elsewhere: bool) -> Decision | None:
-        """Between windows: the backend has its limit in flight and requests wait for it."""
+        """Between windows: the backend has its limit in flight and requests wait for it (and,
+        where another backend could take them, it keeps none waiting for a window: step 1)."""
         st, lim = b.stats, b.limit
         before = lim.limit
         if st.waiters <= 0 or b.in_flight < before:
             return None
+        settled = _settled(b)
+        if elsewhere and st.awaiting_since(now - lim.settings.window_s, settled) > settled:
+            return None  # it keeps requests waiting: hold these for whichever backend frees
         try:
             d = lim.demand(Demand(now, b.in_flight, st.waiters, word, elsewhere))
         except Exception:  # as in a window's update: keep the old limit

@@ -376,6 +376,8 @@ class BackendStats:
         self._limit = 0
         self._waiters = 0  # our share of the requests waiting in the proxy's queue (admission)
         self._awaiting = 0  # streamed requests sent upstream without a token yet
+        #: when each of them was sent, oldest first (key -> time)
+        self._awaiting_since: dict[int, float] = {}
         #: when a streamed request last produced its first token (or ended without one)
         self.answered_at: float | None = None
         self._opaque = 0  # non-streamed requests upstream (no first token to see)
@@ -490,10 +492,12 @@ class BackendStats:
         before it answers (see ``recall_unanswered``); it returns whether it could. A
         non-streamed request (``streamed=False``) has no first token to see: it is counted
         apart (``Window.opaque``), not as awaiting."""
-        self._integrate(self._clock() if now is None else now)
+        now = self._clock() if now is None else now
+        self._integrate(now)
         self._send_seq += 1
         if streamed:
             self._awaiting += 1
+            self._awaiting_since[self._send_seq] = now
         else:
             self._opaque += 1
             self._opaque_keys.add(self._send_seq)
@@ -510,6 +514,9 @@ class BackendStats:
             self._opaque = max(0, self._opaque - 1)
         else:
             self._awaiting = max(0, self._awaiting - 1)
+            since = self._awaiting_since
+            if since and (key is None or since.pop(key, None) is None):
+                del since[next(iter(since))]  # unnamed: the oldest
             self.answered_at = now
             if self._awaiting < self._win.awaiting_min:
                 self._win.awaiting_min = self._awaiting
@@ -522,6 +529,16 @@ class BackendStats:
     def awaiting(self) -> int:
         """Requests sent upstream that have produced no token yet."""
         return self._awaiting
+
+    def awaiting_since(self, before: float, enough: int) -> int:
+        """How many of the requests still without a first token were sent before ``before``
+        (counting stops past ``enough``: oldest first, so this costs at most that many steps)."""
+        n = 0
+        for sent in self._awaiting_since.values():
+            if sent >= before or n > enough:
+                break
+            n += 1
+        return n
 
     @property
     def recalling(self) -> int:

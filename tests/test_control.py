@@ -7,7 +7,7 @@ from adapt_fakes import FakeBackend, FakeClock
 from limit_models import ready
 
 from proxy.control import LimitControl
-from proxy.limits import AdaptiveLimit, Code, LimitSettings
+from proxy.limits import AdaptiveLimit, Code, Demand, LimitSettings
 
 
 def backend(clock: FakeClock, **settings) -> FakeBackend:
@@ -145,6 +145,7 @@ def test_demand_above_a_cold_limit_raises_it_at_the_next_tick_and_that_window_se
     their prefills run."""
     clock = FakeClock()
     b = backend(clock)
+    fleet = [b, backend(clock)]
     control = LimitControl()
     clock.advance(0.6)
     keys = [b.stats.observe_sent() for _ in range(8)]
@@ -152,19 +153,52 @@ def test_demand_above_a_cold_limit_raises_it_at_the_next_tick_and_that_window_se
     b.stats.observe_in_flight(8, 8)
     b.stats.observe_waiters(40)
     clock.advance(0.1)
-    decisions = control.tick([b], clock.t)
-    assert [(d.code, d.after) for _, d in decisions] == [(Code.GROW, 48)]
+    decisions = control.tick(fleet, clock.t)
+    assert [(x, d.code, d.after) for x, d in decisions] == [(b, Code.GROW, 48)]
     assert b.stats.window_started == 1000.0  # the window goes on, now settling
     b.in_flight = 48
     b.stats.observe_in_flight(48, 48)
     b.stats.observe_waiters(0)
     keys += [b.stats.observe_sent() for _ in range(40)]
     clock.advance(0.4)
-    assert control.tick([b], clock.t) == [] and b.stats.window_started == 1000.0
+    assert control.tick(fleet, clock.t) == [] and b.stats.window_started == 1000.0
     for k in keys[:45]:
         b.stats.observe_answered(key=k)
     clock.advance(0.1)
-    assert control.tick([b], clock.t) == [] and b.stats.window_started == clock.t
+    assert control.tick(fleet, clock.t) == [] and b.stats.window_started == clock.t
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_no_demand_raise_while_the_backend_keeps_requests_waiting_for_a_window(alone):
+    """Half of what a cold start's raise sent has waited a whole window for a first token:
+    that is a queue (or a prefill slower than a window). Where another backend could take
+    what waits, the limit does not take it on demand (it would join that queue, no longer
+    free to go to whichever backend frees first); the judged windows decide. Alone, holding
+    back gains nothing: the limit takes it."""
+    clock = FakeClock()
+    b = backend(clock)
+    fleet = [b] if alone else [b, backend(clock)]
+    control = LimitControl()
+    b.limit.demand(Demand(clock.t, 8, 24))  # a cold start's raise: 8 -> 32
+    keys = [b.stats.observe_sent() for _ in range(32)]
+    b.in_flight = 32
+    b.stats.observe_in_flight(32, 32)
+    b.stats.observe_waiters(40)
+    clock.advance(0.5)
+    for k in keys[:16]:  # half of them answered, half wait for room
+        b.stats.observe_answered(key=k)
+    assert b.stats.awaiting_since(clock.t, 100) == 16
+    assert b.stats.awaiting_since(clock.t - 0.5, 100) == 0  # they were sent at the start
+    if not alone:  # waiting half a window: it may be prefill, the raise is not held
+        assert [d.code for _, d in control.demand(fleet, clock.t)] == [Code.GROW]
+        b.limit.reset()
+        b.limit.demand(Demand(clock.t, 8, 24))
+    clock.advance(0.6)
+    decisions = control.demand(fleet, clock.t)
+    if alone:
+        assert [(d.code, d.after) for _, d in decisions] == [(Code.GROW, 72)]
+    else:
+        assert decisions == [] and b.limit.limit == 32
 
 
 @pytest.mark.parametrize("alone", [False, True])
