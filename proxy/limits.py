@@ -138,7 +138,8 @@ class Decision:
 @dataclass(frozen=True, slots=True)
 class Demand:
     """A moment, between windows, at which a backend has its limit in flight and requests for
-    it wait in the proxy (the control loop looks at every tick and when a request queues)."""
+    it wait in the proxy (the control loop looks at every tick and when a request queues; see
+    proxy/control.py for when it does not)."""
 
     end: float  # when (named as a window's end: a decision is stamped with it)
     in_flight: float
@@ -261,11 +262,11 @@ class AdaptiveLimit:
       oracle that knows the most in flight without retractions does worse than sending
       straight (benchmarks/kv_thrash.py).
 
-    A backend is full when the excess is above ``max(queue_tolerance, queue_share * limit)``
-    (the tolerance) for ``FULL_WINDOWS`` judged windows; the capacity is then what it ran in
-    the one of them that ran the most (in flight when the fewest waited, less the excess: each
-    window's pair, as arrivals may fill it from one window to the next), and the limit that
-    plus the tolerance,
+    A backend is full when the excess is above ``max(queue_tolerance, queue_share * level)``
+    (the tolerance; ``level``: the window's requests in flight, at most the limit) for
+    ``FULL_WINDOWS`` judged windows; the capacity is then what it ran in the one of them that
+    ran the most (in flight when the fewest waited, less the excess: each window's pair, as
+    arrivals may fill it from one window to the next), and the limit that plus the tolerance,
     which the backend keeps ready (``_ready``). A cut that took what the backend ran rather
     than what it kept waiting is undone (``_undo_cut``), and no cut goes below it again.
     Windows right after a change,
@@ -389,11 +390,11 @@ class AdaptiveLimit:
             undo = self._check_cut(w)
             if undo is not None:
                 return undo
-        excess = self.excess(w)
-        if excess > self._tolerance() or w.pressure >= PRESSURE:
+        excess, tol = self.excess(w), self._held_tolerance(w)
+        if excess > tol or w.pressure >= PRESSURE:
             self._note_runs(w.end, w.in_flight_at_fewest - excess)
-        if excess > self._tolerance():
-            if self._full and excess < self._last_excess - self._tolerance():
+        if excess > tol:
+            if self._full and excess < self._last_excess - tol:
                 # The queue is emptying by itself: a wave of prefills (after a surge or a big
                 # raise) drains, a full backend's queue stays. Start counting again.
                 self._forget_full()
@@ -658,6 +659,12 @@ class AdaptiveLimit:
 
     def _tolerance(self) -> float:
         return self._tolerance_at(self._limit)
+
+    def _held_tolerance(self, w: Window) -> float:
+        """The tolerance at what the window held: a share of the requests in flight, not of a
+        limit that demand did not fill (a backend running 64 of a limit of 128 that keeps 6
+        waiting is full, though 6 is within 5% of 128)."""
+        return self._tolerance_at(min(self._limit, max(1, math.ceil(w.in_flight))))
 
     def _ready(self, runs: int) -> int:
         """The limit for a backend that runs ``runs``: that plus the tolerance, kept ready in

@@ -331,6 +331,15 @@ def test_a_few_waiting_requests_are_within_tolerance():
     assert lim.limit == 200
 
 
+def test_the_tolerance_is_a_share_of_what_is_in_flight_not_of_an_unfilled_limit():
+    """Demand fills 70 of a limit of 200 and the backend keeps 9 of them waiting all along:
+    9 is within 5% of 200 but not of 70, so the backend is full, cut to what it runs (the
+    rest of what waits goes back to the proxy, to whichever backend frees first)."""
+    lim = adaptive(floor=1, initial=200)
+    d = feed(lim, [win(200, i, in_flight=70, awaiting_min=9.0, pressure=0.0) for i in range(2)])
+    assert [(x.code, x.after) for x in d] == [(Code.FULL, 61)]
+
+
 def test_prefill_is_not_a_queue_when_sglang_says_it_does_not_queue():
     """Dense arrivals keep a few of ours in prefill all the time: the proxy alone would read
     them as a queue; SGLang's gauge says nothing waits, and the smaller of the two decides."""
