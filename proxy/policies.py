@@ -36,7 +36,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.prefix import PrefixIndex, PrefixRouting, near_best
+from proxy.prefix import LOOKAHEAD, PrefixIndex, PrefixRouting, near_best
 from proxy.routed import Routed, relative_load
 
 PolicyName = Literal["latency", "p2c_peak_ewma", "round_robin", "least_in_flight"]
@@ -80,7 +80,7 @@ class RoutingSettings(BaseModel):
         "(by limit) of the fleet's loses its claim to a prefix",
     )
     prefix_lookahead: int = Field(
-        8,
+        LOOKAHEAD,
         ge=1,
         description="prefix affinity: a freed slot may go to the best-matching of this many "
         "oldest waiters of the first class waiting, and no waiter is passed over more than "

@@ -79,6 +79,12 @@ ENTRY_BYTES = 240
 #: the home map ((leading block, backend) -> when last sent there as its home) holds this many
 #: times fewer entries than the block map: a prompt has many blocks and one leading block
 HOME_SHARE = 16
+#: default ``lookahead`` (``[routing] prefix_lookahead``): waiters holding out for one home at
+#: most, and the depth a freed slot looks into the queue. ``worth_waiting`` decides whether to
+#: hold; this only bounds it, so it is about a backend's limit, not a few: a home's load swings
+#: above its limit by more than a few when requests pick their prefix at random, and each
+#: waiter turned away then is a miss that also evicts another prefix where it lands
+LOOKAHEAD = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +364,7 @@ class PrefixRouting:
         *,
         block_chars: int = 128,
         load_factor: float = 2.0,
-        lookahead: int = 8,
+        lookahead: int = LOOKAHEAD,
         lookahead_age_s: float | None = None,
     ) -> None:
         self.index = index
