@@ -375,8 +375,8 @@ class BackendStats:
         self._idle_since = clock()  # when ``_in_flight`` last dropped to zero
         self._limit = 0
         self._waiters = 0  # our share of the requests waiting in the proxy's queue (admission)
-        self._awaiting = 0  # streamed requests sent upstream without a token yet
-        #: when each of them was sent, oldest first (key -> time)
+        #: streamed requests sent upstream without a token yet: when each was sent, oldest
+        #: first (key -> time)
         self._awaiting_since: dict[int, float] = {}
         #: when a streamed request last produced its first token (or ended without one)
         self.answered_at: float | None = None
@@ -496,7 +496,6 @@ class BackendStats:
         self._integrate(now)
         self._send_seq += 1
         if streamed:
-            self._awaiting += 1
             self._awaiting_since[self._send_seq] = now
         else:
             self._opaque += 1
@@ -513,13 +512,12 @@ class BackendStats:
             self._opaque_keys.discard(key)
             self._opaque = max(0, self._opaque - 1)
         else:
-            self._awaiting = max(0, self._awaiting - 1)
             since = self._awaiting_since
             if since and (key is None or since.pop(key, None) is None):
                 del since[next(iter(since))]  # unnamed: the oldest
             self.answered_at = now
-            if self._awaiting < self._win.awaiting_min:
-                self._win.awaiting_min = self._awaiting
+            if len(since) < self._win.awaiting_min:
+                self._win.awaiting_min = len(since)
                 self._win.in_flight_at_min = self._in_flight
         if key is not None:
             self._recallable.pop(key, None)
@@ -528,7 +526,7 @@ class BackendStats:
     @property
     def awaiting(self) -> int:
         """Requests sent upstream that have produced no token yet."""
-        return self._awaiting
+        return len(self._awaiting_since)
 
     def awaiting_since(self, before: float, enough: int) -> int:
         """How many of the requests still without a first token were sent before ``before``
@@ -745,7 +743,7 @@ class BackendStats:
         )
         self._restart_pending = False
         self._win = _WindowAcc(
-            start=now, awaiting_min=self._awaiting, in_flight_at_min=self._in_flight
+            start=now, awaiting_min=self.awaiting, in_flight_at_min=self._in_flight
         )
         return out
 
@@ -759,7 +757,7 @@ class BackendStats:
             "max_tokens_per_s": self.max_tokens_per_s,
             "completions_per_s": self.completions_per_s,
             "output_tokens_mean": self.output_tokens,
-            "awaiting_first_token": self._awaiting,
+            "awaiting_first_token": self.awaiting,
             "trusted": self.trusted,
             "tokens_total": self.tokens_total,
             "completions_ok": self.completions_ok,
@@ -789,7 +787,7 @@ class BackendStats:
         dt = now - self._if_stamp
         if dt > 0:
             self._win.in_flight_area += self._in_flight * dt
-            self._win.awaiting_area += self._awaiting * dt
+            self._win.awaiting_area += self.awaiting * dt
             self._win.opaque_area += self._opaque * dt
             if self._limit > 0 and self._in_flight >= self._limit:
                 self._win.at_limit_time += dt
