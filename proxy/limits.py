@@ -48,8 +48,8 @@ class LimitSettings(BaseModel):
     queue_tolerance: float = Field(
         2.0,
         ge=0,
-        description="requests the backend may keep waiting (and queue_share of the limit) "
-        "before it counts as full",
+        description="requests the backend may keep waiting (and queue_share of what it has in "
+        "flight, at most the limit) before it counts as full",
     )
     queue_share: float = Field(0.05, ge=0, le=1, description="see queue_tolerance")
     probe_every_s: float = Field(
