@@ -264,9 +264,13 @@ class AdaptiveLimit:
 
     A backend is full when the excess is above ``max(queue_tolerance, queue_share * level)``
     (the tolerance; ``level``: the window's requests in flight, at most the limit) for
-    ``FULL_WINDOWS`` judged windows; the capacity is then what it ran in the one of them that
+    ``FULL_WINDOWS`` judged windows, over which it finished some and admitted (first tokens) no
+    more than it finished: a full backend's queue moves only as requests end, one that admits
+    more has room and drains a wave of prefills, and one that runs none of ours yet shows
+    nothing of what it runs. The capacity is then what it ran in the one of them that
     ran the most (in flight when the fewest waited, less the excess: each window's pair, as
-    arrivals may fill it from one window to the next), and the limit that plus the tolerance,
+    arrivals may fill it from one window to the next), or the most it ran in any judged window
+    of the last ``probe_every_s`` (``_peak``), and the limit that plus the tolerance,
     which the backend keeps ready (``_ready``). A cut that took what the backend ran rather
     than what it kept waiting is undone (``_undo_cut``), and no cut goes below it again.
     Windows right after a change,
@@ -332,9 +336,11 @@ class AdaptiveLimit:
         #: waiting) of the one that ran the most, the count taken at the moment the fewest
         #: waited (``Window.in_flight_at_fewest``)
         self._fullest: tuple[float, float] | None = None
-        #: (window end, requests the backend ran) of judged windows under demand or full
+        #: first tokens and completions over those windows: the set it runs grew if the first
+        #: outnumber the second
+        self._admitted = self._finished = 0
+        #: (window end, requests the backend ran) of every judged window
         self._runs: deque[tuple[float, float]] = deque()
-        self._last_excess = math.inf  # in the last of them
         self._open = 0  # judged windows in a row at a probe without a queue
         self._demand_since: float | None = None  # demand above a held limit since
         #: demand above a held limit for this long brings a probe (see FIRST_PROBE_SHARE)
@@ -391,20 +397,28 @@ class AdaptiveLimit:
             if undo is not None:
                 return undo
         excess, tol = self.excess(w), self._held_tolerance(w)
-        if excess > tol or w.pressure >= PRESSURE:
-            self._note_runs(w.end, w.in_flight_at_fewest - excess)
+        self._note_runs(w.end, w.in_flight_at_fewest - excess)
         if excess > tol:
-            if self._full and excess < self._last_excess - tol:
-                # The queue is emptying by itself: a wave of prefills (after a surge or a big
-                # raise) drains, a full backend's queue stays. Start counting again.
-                self._forget_full()
-            self._full += 1
-            self._last_excess = excess
             at = w.in_flight_at_fewest
+            if at - excess < 1:
+                # None of ours runs: all of it is in prefill (a cold start's first seconds on a
+                # long prompt), which says nothing of what the backend runs.
+                self._forget_full()
+                return None
+            self._admitted += w.ttft_count
+            self._finished += w.completions
+            if self._admitted > self._finished + tol:
+                # It admitted more than it finished: it had room, and what waits is a wave of
+                # prefills draining (a cold start, a surge, a big raise). Start counting again.
+                self._forget_full()
+                return None
+            self._full += 1
             if self._fullest is None or at - excess > self._fullest[0] - self._fullest[1]:
                 self._fullest = (at, excess)
             self._open = 0
-            if self._full >= FULL_WINDOWS:
+            # A full backend admits only as it finishes: the verdict waits until it finished
+            # one and admitted no more than it finished.
+            if self._full >= FULL_WINDOWS and 0 < self._finished >= self._admitted:
                 return self._full_at(w)
             return None
         self._forget_full()
@@ -592,6 +606,7 @@ class AdaptiveLimit:
 
     def _forget_full(self) -> None:
         self._full, self._fullest = 0, None
+        self._admitted = self._finished = 0
 
     def _note_runs(self, at: float, runs: float) -> None:
         self._runs.append((at, runs))
@@ -599,7 +614,8 @@ class AdaptiveLimit:
             self._runs.popleft()
 
     def _peak(self) -> float:
-        """The most the backend ran in a judged window of the last ``probe_every_s``. Its
+        """The most the backend ran in a judged window of the last ``probe_every_s``, whether
+        demand filled its limit or not: it ran that many at once, so it runs at least that. Its
         capacity changes slowly (deployment, workload mix), its room from moment to moment
         (an SGLang server admits less for a while after it retracted requests, a prefill wave
         holds the pool): a cut follows the capacity, and a dip waits in the backend's queue

@@ -35,6 +35,7 @@ def win(
     opaque: float = 0.0,
     errors: int = 0,
     completions: int = 10,
+    admitted: int | None = None,
     stale: bool = False,
     restarted: bool = False,
     itl_p50: float | None = 0.03,
@@ -51,7 +52,8 @@ def win(
         tokens_per_s=100.0 / duration,
         itl=itl_p50,
         ttft=0.2,
-        ttft_count=5,
+        # a backend in a steady state admits (first tokens) as it finishes
+        ttft_count=completions if admitted is None else admitted,
         completions=completions,
         errors=errors,
         queue_reqs=queue,

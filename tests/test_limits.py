@@ -181,7 +181,7 @@ def test_full_needs_consecutive_windows_and_cuts_to_what_the_backend_runs():
     lim._phase = Phase.HOLD
     # one window with requests kept waiting (a prefill wave) and one without: no change
     assert lim.update(win(100, 0.0, awaiting_min=30.0, pressure=0.0)) is None
-    assert lim.update(win(100, 1.0, awaiting_min=0.0, pressure=0.0)) is None
+    assert lim.update(win(100, 1.0, in_flight=60.0, pressure=0.0)) is None
     assert lim.limit == 100
     decisions = feed(
         lim,
@@ -574,15 +574,18 @@ def test_a_restart_with_nothing_known_takes_the_servers_word_again():
     assert d is not None and d.code is Code.SERVER and lim.limit == ready(96)
 
 
-def test_a_queue_that_empties_by_itself_is_a_prefill_wave_not_a_full_backend():
-    """After a surge, SGLang queues the new requests for their prefill; that queue drains window
-    by window. Only a queue that stays says the backend is full."""
+def test_a_backend_that_admits_more_than_it_finishes_drains_a_wave_and_is_not_full():
+    """After a surge, SGLang queues the new requests for their prefill and admits them faster
+    than it finishes others: the set it runs grows, so it had room. A full backend admits only
+    as it finishes."""
     lim = adaptive(floor=1, initial=64)
-    wave = [win(64, i, awaiting_min=40.0 - 12 * i, queue=40.0 - 12 * i, running=24.0 + 12 * i)
-            for i in range(4)]  # fmt: skip
+    # the wave: each window 12 more have their first token, none finishes
+    wave = [win(64, i, awaiting_min=40.0 - 12 * i, queue=40.0 - 12 * i, running=24.0 + 12 * i,
+                completions=0, admitted=12) for i in range(4)]  # fmt: skip
     assert feed(lim, wave) == [] and lim.limit == 64
+    # a queue that stays: it admits as it finishes
     stays = [win(64, 10 + i, awaiting_min=10.0, queue=10.0, running=54.0) for i in range(2)]
-    # the cut takes the smallest excess of the windows counted (the wave's last one, 4)
+    # the cut keeps the most it ran lately (the wave's last window, 60)
     assert [d.code for d in feed(lim, stays)] == [Code.FULL] and lim.limit == ready(60)
 
 
@@ -619,3 +622,35 @@ def test_a_cut_from_a_limit_demand_did_not_fill_is_redone_from_what_was_in_fligh
     d = lim.update(win(64, 5.0, awaiting_min=1.0, completions=64))  # a turnover: 1 in prefill
     assert d is not None and d.code is Code.PREFILL
     assert 64 < d.after <= 72
+
+
+def test_no_verdict_while_none_of_ours_runs_or_before_the_backend_finished_one():
+    """A cold start on long prompts: every request waits for its prefill and nothing has
+    finished. That says nothing of what the backend runs, so nothing is cut; once it finishes
+    as many as it admits and some still wait all along, it is full."""
+    lim = adaptive(floor=1, initial=35)
+    lim._phase = Phase.HOLD
+    prefill = [win(35, t, awaiting_min=35.0, completions=0, admitted=0) for t in range(6)]
+    assert feed(lim, prefill) == [] and lim.limit == 35
+    slow = [win(35, 10 + t, awaiting_min=20.0, completions=0, admitted=0) for t in range(6)]
+    assert feed(lim, slow) == [] and lim.limit == 35  # 15 run, none finished yet
+    queue = [win(35, 20 + t, awaiting_min=20.0, completions=1, admitted=1) for t in range(2)]
+    decisions = feed(lim, queue)
+    assert [(d.code, d.after) for d in decisions] == [(Code.FULL, 15)]
+
+
+def test_a_cut_keeps_what_the_backend_ran_when_demand_was_below_its_limit():
+    """Fewer clients than the backend runs, prompts long enough that a few of them are always
+    in prefill: a window where it ran all 14 shows it runs 14, so a later window where 3 of
+    them wait (in prefill) cuts no lower than 14, and no client waits in the proxy."""
+    lim = adaptive(floor=1, initial=26)
+    lim._phase = Phase.HOLD
+    assert lim.update(win(26, 0.0, in_flight=14.0, pressure=0.0)) is None
+    waits = [win(26, 1.0 + t, in_flight=14.0, awaiting_min=3.0, pressure=0.0) for t in range(2)]
+    decisions = feed(lim, waits)
+    assert [(d.code, d.after) for d in decisions] == [(Code.FULL, 14)]
+    # without that window, 11 is all it was seen to run
+    fresh = adaptive(floor=1, initial=26)
+    fresh._phase = Phase.HOLD
+    decisions = feed(fresh, waits)
+    assert [(d.code, d.after) for d in decisions] == [(Code.FULL, 11)]
