@@ -339,8 +339,11 @@ class AdaptiveLimit:
         #: first tokens and completions over those windows: the set it runs grew if the first
         #: outnumber the second
         self._admitted = self._finished = 0
+        self._full_since = 0.0  # when the first of them started
         #: (window end, requests the backend ran) of every judged window
         self._runs: deque[tuple[float, float]] = deque()
+        #: (window end, median TTFT) of the same windows
+        self._ttfts: deque[tuple[float, float]] = deque()
         self._open = 0  # judged windows in a row at a probe without a queue
         self._demand_since: float | None = None  # demand above a held limit since
         #: demand above a held limit for this long brings a probe (see FIRST_PROBE_SHARE)
@@ -397,7 +400,7 @@ class AdaptiveLimit:
             if undo is not None:
                 return undo
         excess, tol = self.excess(w), self._held_tolerance(w)
-        self._note_runs(w.end, w.in_flight_at_fewest - excess)
+        self._note_runs(w.end, w.in_flight_at_fewest - excess, w.ttft)
         if excess > tol:
             at = w.in_flight_at_fewest
             if at - excess < 1:
@@ -405,6 +408,8 @@ class AdaptiveLimit:
                 # long prompt), which says nothing of what the backend runs.
                 self._forget_full()
                 return None
+            if not self._full:
+                self._full_since = w.start
             self._admitted += w.ttft_count
             self._finished += w.completions
             if self._admitted > self._finished + tol:
@@ -416,9 +421,7 @@ class AdaptiveLimit:
             if self._fullest is None or at - excess > self._fullest[0] - self._fullest[1]:
                 self._fullest = (at, excess)
             self._open = 0
-            # A full backend admits only as it finishes: the verdict waits until it finished
-            # one and admitted no more than it finished.
-            if self._full >= FULL_WINDOWS and 0 < self._finished >= self._admitted:
+            if self._full >= FULL_WINDOWS and self._queue_stood(w):
                 return self._full_at(w)
             return None
         self._forget_full()
@@ -604,14 +607,33 @@ class AdaptiveLimit:
         self.capacity = ran_there
         return self._set(self._clamp(level), w, Code.UNDO, excess=excess)
 
+    def _queue_stood(self, w: Window) -> bool:
+        """Over the windows that showed requests waiting, did the backend admit only as it
+        finished? A full backend's queue moves only when a request ends, so it admitted
+        (first tokens) no more than it finished; and either it finished some, or the queue did
+        not move for longer than the requests it admitted lately took to their first token
+        (``_ttfts``; a cold start's first answers may take longer than that to finish, and a
+        prefill-bound backend admits one request per prefill step)."""
+        if self._admitted > self._finished:
+            return False
+        if self._finished > 0:
+            return True
+        lately = max((t for _, t in self._ttfts), default=0.0)
+        return w.end - self._full_since > lately
+
     def _forget_full(self) -> None:
         self._full, self._fullest = 0, None
         self._admitted = self._finished = 0
 
-    def _note_runs(self, at: float, runs: float) -> None:
+    def _note_runs(self, at: float, runs: float, ttft: float | None) -> None:
+        horizon = at - self.settings.probe_every_s
         self._runs.append((at, runs))
-        while self._runs and self._runs[0][0] < at - self.settings.probe_every_s:
+        while self._runs and self._runs[0][0] < horizon:
             self._runs.popleft()
+        if ttft is not None:
+            self._ttfts.append((at, ttft))
+        while self._ttfts and self._ttfts[0][0] < horizon:
+            self._ttfts.popleft()
 
     def _peak(self) -> float:
         """The most the backend ran in a judged window of the last ``probe_every_s``, whether

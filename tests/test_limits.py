@@ -624,19 +624,35 @@ def test_a_cut_from_a_limit_demand_did_not_fill_is_redone_from_what_was_in_fligh
     assert 64 < d.after <= 72
 
 
-def test_no_verdict_while_none_of_ours_runs_or_before_the_backend_finished_one():
-    """A cold start on long prompts: every request waits for its prefill and nothing has
-    finished. That says nothing of what the backend runs, so nothing is cut; once it finishes
-    as many as it admits and some still wait all along, it is full."""
+def test_no_verdict_while_none_of_ours_runs_or_while_it_admits_more_than_it_finishes():
+    """A cold start on long prompts: every request waits for its prefill, then they are
+    admitted one by one (one prefill chunk per step) while none has finished. That says
+    nothing of what the backend runs, so nothing is cut; once it finishes as many as it
+    admitted and 20 still wait all along, it is full."""
     lim = adaptive(floor=1, initial=35)
     lim._phase = Phase.HOLD
     prefill = [win(35, t, awaiting_min=35.0, completions=0, admitted=0) for t in range(6)]
     assert feed(lim, prefill) == [] and lim.limit == 35
-    slow = [win(35, 10 + t, awaiting_min=20.0, completions=0, admitted=0) for t in range(6)]
-    assert feed(lim, slow) == [] and lim.limit == 35  # 15 run, none finished yet
-    queue = [win(35, 20 + t, awaiting_min=20.0, completions=1, admitted=1) for t in range(2)]
+    wave = [win(35, 10 + t, awaiting_min=20.0, completions=0, admitted=t % 2) for t in range(8)]
+    assert feed(lim, wave) == [] and lim.limit == 35  # 15 run, 4 admitted, none finished
+    queue = [win(35, 20 + t, awaiting_min=20.0, completions=1, admitted=0) for t in range(4)]
     decisions = feed(lim, queue)
     assert [(d.code, d.after) for d in decisions] == [(Code.FULL, 15)]
+    assert decisions[0].at > 20.0  # not before it finished one
+
+
+def test_a_queue_that_stands_still_is_full_before_anything_finishes():
+    """A backend at its cap whose first answers are long: nothing finishes for a while, and
+    nothing more is admitted. Once the queue stood still for longer than the requests it
+    admitted took to their first token (3 s here: it may have been one prefill step), it is
+    full."""
+    lim = adaptive(floor=1, initial=128)
+    lim._phase = Phase.HOLD
+    admitted = dataclasses.replace(win(128, 0.0, in_flight=64.0, pressure=0.0), ttft=3.0)
+    assert lim.update(admitted) is None
+    stands = [win(128, t, awaiting_min=64.0, completions=0, admitted=0) for t in range(1, 9)]
+    decisions = feed(lim, stands)
+    assert [(d.code, d.after, d.at) for d in decisions] == [(Code.FULL, 64, 5.0)]
 
 
 def test_a_cut_keeps_what_the_backend_ran_when_demand_was_below_its_limit():
