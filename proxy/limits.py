@@ -340,7 +340,8 @@ class AdaptiveLimit:
         #: outnumber the second
         self._admitted = self._finished = 0
         self._full_since = 0.0  # when the first of them started
-        #: (window end, requests the backend ran) of every judged window
+        self._last_excess = math.inf  # in the last of them
+        #: (window end, requests the backend ran) of judged windows (see ``update``)
         self._runs: deque[tuple[float, float]] = deque()
         #: (window end, median TTFT) of the same windows
         self._ttfts: deque[tuple[float, float]] = deque()
@@ -400,28 +401,24 @@ class AdaptiveLimit:
             if undo is not None:
                 return undo
         excess, tol = self.excess(w), self._held_tolerance(w)
-        self._note_runs(w.end, w.in_flight_at_fewest - excess, w.ttft)
+        # On our own count alone (no gauge) the backend is ours: what it ran for us, demand
+        # filling the limit or not, it runs. Where SGLang's gauge is scraped, other clients
+        # (another replica of the proxy) may share it, and what ran for us while they had less
+        # is not ours to keep.
+        alone = w.queue_reqs is None
+        if alone or excess > tol or w.pressure >= PRESSURE:
+            self._note_runs(w.end, w.in_flight_at_fewest - excess, w.ttft)
         if excess > tol:
-            at = w.in_flight_at_fewest
-            if at - excess < 1:
-                # None of ours runs: all of it is in prefill (a cold start's first seconds on a
-                # long prompt), which says nothing of what the backend runs.
-                self._forget_full()
-                return None
-            if not self._full:
-                self._full_since = w.start
-            self._admitted += w.ttft_count
-            self._finished += w.completions
-            if self._admitted > self._finished + tol:
-                # It admitted more than it finished: it had room, and what waits is a wave of
-                # prefills draining (a cold start, a surge, a big raise). Start counting again.
+            if self._wave(w, excess, tol, alone):
                 self._forget_full()
                 return None
             self._full += 1
+            self._last_excess = excess
+            at = w.in_flight_at_fewest
             if self._fullest is None or at - excess > self._fullest[0] - self._fullest[1]:
                 self._fullest = (at, excess)
             self._open = 0
-            if self._full >= FULL_WINDOWS and self._queue_stood(w):
+            if self._full >= FULL_WINDOWS and (not alone or self._queue_stood(w)):
                 return self._full_at(w)
             return None
         self._forget_full()
@@ -606,6 +603,23 @@ class AdaptiveLimit:
         self._keep, self._last_cut = level, None
         self.capacity = ran_there
         return self._set(self._clamp(level), w, Code.UNDO, excess=excess)
+
+    def _wave(self, w: Window, excess: float, tol: float, alone: bool) -> bool:
+        """Is what waits in this window a wave of prefills draining (a cold start, a surge, a
+        big raise) rather than a queue? SGLang's gauge counts its own queue: one that fell by
+        more than the tolerance since the last window empties by itself. On our own count,
+        prefill and queue look alike, but a full backend admits only as it finishes: one
+        that admitted (first tokens) more than it finished since these windows began had
+        room; and one that runs none of ours yet shows nothing of what it runs."""
+        if not alone:
+            return bool(self._full) and excess < self._last_excess - tol
+        if w.in_flight_at_fewest - excess < 1:
+            return True
+        if not self._full:
+            self._full_since = w.start
+        self._admitted += w.ttft_count
+        self._finished += w.completions
+        return self._admitted > self._finished + tol
 
     def _queue_stood(self, w: Window) -> bool:
         """Over the windows that showed requests waiting, did the backend admit only as it

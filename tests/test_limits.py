@@ -574,19 +574,31 @@ def test_a_restart_with_nothing_known_takes_the_servers_word_again():
     assert d is not None and d.code is Code.SERVER and lim.limit == ready(96)
 
 
-def test_a_backend_that_admits_more_than_it_finishes_drains_a_wave_and_is_not_full():
-    """After a surge, SGLang queues the new requests for their prefill and admits them faster
-    than it finishes others: the set it runs grows, so it had room. A full backend admits only
+def test_a_queue_that_empties_by_itself_is_a_prefill_wave_not_a_full_backend():
+    """After a surge, SGLang queues the new requests for their prefill; its queue gauge drains
+    window by window. Only a queue that stays says the backend is full."""
+    lim = adaptive(floor=1, initial=64)
+    wave = [win(64, i, awaiting_min=40.0 - 12 * i, queue=40.0 - 12 * i, running=24.0 + 12 * i)
+            for i in range(4)]  # fmt: skip
+    assert feed(lim, wave) == [] and lim.limit == 64
+    stays = [win(64, 10 + i, awaiting_min=10.0, queue=10.0, running=54.0) for i in range(2)]
+    # the cut takes the smallest excess of the windows counted (the wave's last one, 4)
+    assert [d.code for d in feed(lim, stays)] == [Code.FULL] and lim.limit == ready(60)
+
+
+def test_on_our_own_count_a_backend_that_admits_more_than_it_finishes_is_not_full():
+    """Without the gauge, the wave shows as requests admitted (first tokens) faster than
+    others finish: the set the backend runs grows, so it had room. A full backend admits only
     as it finishes."""
     lim = adaptive(floor=1, initial=64)
-    # the wave: each window 12 more have their first token, none finishes
-    wave = [win(64, i, awaiting_min=40.0 - 12 * i, queue=40.0 - 12 * i, running=24.0 + 12 * i,
-                completions=0, admitted=12) for i in range(4)]  # fmt: skip
+    # each window 12 more have their first token, none finishes
+    wave = [win(64, i, awaiting_min=40.0 - 12 * i, completions=0, admitted=12) for i in range(4)]
     assert feed(lim, wave) == [] and lim.limit == 64
-    # a queue that stays: it admits as it finishes
-    stays = [win(64, 10 + i, awaiting_min=10.0, queue=10.0, running=54.0) for i in range(2)]
-    # the cut keeps the most it ran lately (the wave's last window, 60)
-    assert [d.code for d in feed(lim, stays)] == [Code.FULL] and lim.limit == ready(60)
+    # a queue that stays: it admits as it finishes (10 of each per window)
+    stays = [win(64, 10 + i, awaiting_min=10.0) for i in range(2)]
+    decisions = feed(lim, stays)
+    # on our own count the cut leaves none ready, and keeps the most it ran lately (60)
+    assert [(d.code, d.after) for d in decisions] == [(Code.FULL, 60)]
 
 
 def test_a_cut_that_misread_a_passing_wave_is_cleared_while_it_drains():
