@@ -264,13 +264,13 @@ class AdaptiveLimit:
 
     A backend is full when the excess is above ``max(queue_tolerance, queue_share * level)``
     (the tolerance; ``level``: the window's requests in flight, at most the limit) for
-    ``FULL_WINDOWS`` judged windows, over which it finished some and admitted (first tokens) no
-    more than it finished: a full backend's queue moves only as requests end, one that admits
-    more has room and drains a wave of prefills, and one that runs none of ours yet shows
-    nothing of what it runs. The capacity is then what it ran in the one of them that
+    ``FULL_WINDOWS`` judged windows that are not a wave of prefills draining (``_wave``; on
+    our own count alone, a full backend also admits only as it finishes: ``_queue_stood``).
+    The capacity is then what it ran in the one of them that
     ran the most (in flight when the fewest waited, less the excess: each window's pair, as
-    arrivals may fill it from one window to the next), or the most it ran in any judged window
-    of the last ``probe_every_s`` (``_peak``), and the limit that plus the tolerance,
+    arrivals may fill it from one window to the next), or the most it ran in a judged window
+    of the last ``probe_every_s`` (``_peak``; see ``update`` for which), and the limit that
+    plus the tolerance,
     which the backend keeps ready (``_ready``). A cut that took what the backend ran rather
     than what it kept waiting is undone (``_undo_cut``), and no cut goes below it again.
     Windows right after a change,
