@@ -409,6 +409,8 @@ class AdaptiveLimit:
         if alone or excess > tol or w.pressure >= PRESSURE:
             self._note_runs(w.end, w.in_flight_at_fewest - excess, w.ttft)
         if excess > tol:
+            if alone:
+                self._count_streak(w)
             if self._wave(w, excess, tol, alone):
                 self._forget_full()
                 return None
@@ -613,13 +615,15 @@ class AdaptiveLimit:
         room; and one that runs none of ours yet shows nothing of what it runs."""
         if not alone:
             return bool(self._full) and excess < self._last_excess - tol
-        if w.in_flight_at_fewest - excess < 1:
-            return True
+        return w.in_flight_at_fewest - excess < 1 or self._admitted > self._finished + tol
+
+    def _count_streak(self, w: Window) -> None:
+        """Add a window that showed requests waiting to the streak's first tokens and
+        completions (read by ``_wave`` and ``_queue_stood``; ``_forget_full`` resets them)."""
         if not self._full:
             self._full_since = w.start
         self._admitted += w.ttft_count
         self._finished += w.completions
-        return self._admitted > self._finished + tol
 
     def _queue_stood(self, w: Window) -> bool:
         """Over the windows that showed requests waiting, did the backend admit only as it

@@ -134,7 +134,6 @@ def test_demand_arriving_at_once_settles_like_a_raise():
     clock.advance(1.0)
     control.tick([b], clock.t)  # max_window_s: the settling window ends, unjudged
     for _ in range(2):  # 20 of them wait all along two windows: a queue, cut to what it runs
-        b.stats.observe_completion(ok=True)  # it admits only as it finishes: none admitted
         clock.advance(1.0)
         control.tick([b], clock.t)
     assert b.limit.decision.code is Code.FULL and b.limit.limit < 40
@@ -222,7 +221,6 @@ def test_a_limit_that_falls_below_what_is_in_flight_recalls_the_unanswered(alone
     clock.advance(5.0)
     control.tick(fleet, clock.t)  # the wave's settling window (max_window_s), unjudged
     for _ in range(2):  # full two windows in a row: 6 of ours waited all along
-        b.stats.observe_completion(ok=True)  # it admits only as it finishes: none admitted
         clock.advance(1.0)
         control.tick(fleet, clock.t)
     assert b.limit.decision.code is Code.FULL and b.limit.limit == 8  # the floor
