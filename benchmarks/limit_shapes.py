@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/limit_shapes.py --split accept --seed-base 2000 \
         --out benchmarks/results/limit_shapes-accept2   # 200 fresh ones, once the first were seen
     .venv/bin/python benchmarks/limit_shapes.py --split tune --shapes 5 --no-save   # a smoke run
+    .venv/bin/python benchmarks/limit_shapes.py --trace 8251:14 --evidence none  # one case's
+                                                                   # limit decisions, to read
 
 An acceptance set whose failures have been read while changing the algorithm is spent: judge
 the change on accept seeds nobody has looked at (``--seed-base``; the split holds seeds up to
@@ -87,7 +89,7 @@ from limit_sim import SimRun, closed_loop_through_limit
 from loadtest.sim.profiles import Profile
 from loadtest.sim.shapes import SPLITS, Shape, generate_shape, split_seeds
 from loadtest.sim.tokens import stable_seed
-from proxy.limits import Limit, LimitSettings, make_limit
+from proxy.limits import AdaptiveLimit, Decision, Limit, LimitSettings, make_limit
 
 CLIENT_FACTORS = (0.5, 1.0, 2.0)  # x capacity
 GRID_FACTORS = (0.5, 0.7, 1.0, 1.4, 2.0)  # fixed limits, x capacity (extended below if best)
@@ -354,6 +356,18 @@ def run_case(
     }
 
 
+def trace_case(
+    shape: Shape, clients: int, d: Durations | None = None, evidence: str = "full"
+) -> tuple[Plan, list[Decision]]:
+    """The adaptive limit's decisions in one case's first judged run (what ``_judge`` measures
+    first: the same workload seed, duration and evidence), to read why a case fails."""
+    p = plan(shape, clients, d or Durations())
+    limit = adaptive_limit(shape.profile)
+    assert isinstance(limit, AdaptiveLimit), "adaptive_limit builds the adaptive algorithm"
+    _run(shape, clients, limit, p.adaptive_warmup_s + p.measure_s, eval_seeds(shape)[0], evidence)
+    return p, list(limit.history)
+
+
 def run_shape(shape: Shape, d: Durations | None = None) -> list[dict[str, Any]]:
     """Every client count of one shape (``run_case`` each)."""
     return [run_case(shape, c, d) for c in client_levels(shape)]
@@ -537,6 +551,24 @@ def chosen_seeds(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[
         ap.error(str(exc))
 
 
+def _print_trace(ap: argparse.ArgumentParser, spec: str, evidence: str) -> int:
+    seed_text, _, clients_text = spec.partition(":")
+    try:
+        seed, clients = int(seed_text), int(clients_text)
+    except ValueError:
+        ap.error(f"--trace {spec!r}: expected SEED:CLIENTS, two integers")
+    if clients < 1:
+        ap.error(f"--trace {spec!r}: CLIENTS must be at least 1")
+    shape = generate_shape(seed)
+    p, decisions = trace_case(shape, clients, evidence=evidence)
+    t0 = p.adaptive_warmup_s
+    print(f"{shape.name}, {clients} clients, hearing {EVIDENCE_TEXT[evidence]}")
+    print(f"measured window {t0:.1f}-{t0 + p.measure_s:.1f} s (modelled); decisions:")
+    for d in decisions:
+        print(f"{d.at:8.1f}  {d}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     shape_set_arguments(ap)
@@ -553,7 +585,14 @@ def main(argv: list[str] | None = None) -> int:
         help="what the adaptive limit hears: "
         + "; ".join(f"{k}: {v.replace('`', '')}" for k, v in EVIDENCE_TEXT.items()),
     )
+    ap.add_argument(
+        "--trace",
+        metavar="SEED:CLIENTS",
+        help="print the adaptive limit's decisions in that case's first judged run, and exit",
+    )
     args = ap.parse_args(argv)
+    if args.trace is not None:
+        return _print_trace(ap, args.trace, args.evidence)
     seeds = chosen_seeds(ap, args)
     shapes = {s: generate_shape(s) for s in seeds}
     tasks = [

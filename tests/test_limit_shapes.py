@@ -193,6 +193,23 @@ def test_a_tiny_shape_runs_through_every_client_count(parallelism, stages):
     assert bench.run_case(shape, 8, QUICK)["fixed"] == rows[1]["fixed"]  # repeatable
 
 
+def test_a_trace_is_the_adaptive_run_a_case_is_judged_on():
+    shape = _tiny("tp", 1)
+    p, decisions = bench.trace_case(shape, 16, QUICK, evidence="none")
+    assert decisions and decisions == bench.trace_case(shape, 16, QUICK, evidence="none")[1]
+    assert all(0 <= d.at <= p.adaptive_warmup_s + p.measure_s for d in decisions)
+    final = bench.run_case(shape, 16, QUICK, seeds=1, evidence="none")["final_limit"]
+    assert decisions[-1].after == final
+
+
+@pytest.mark.parametrize("spec", ["8251", "x:14", "8251:0"])
+def test_a_trace_needs_seed_and_clients(spec, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--trace", spec])
+    assert exc.value.code == 2
+    assert "--trace" in capsys.readouterr().err
+
+
 def test_fixed_grid_spans_capacity_and_includes_direct_and_stages():
     shape = _tiny("pp", 2)
     grid = bench.fixed_grid(shape, 16)
