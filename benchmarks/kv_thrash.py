@@ -17,7 +17,11 @@ those limits (the most tokens/s):
 
 - *retraction-free*: the largest limit whose window retracted at most ``eps`` x its completions
   (an oracle: it knows every limit's outcome, as no online rule could);
-- *direct*: the limit equal to the client count (sending straight to the backend).
+- *direct*: the limit equal to the client count (sending straight to the backend);
+- *never retracted*: the largest limit whose run retracted nothing at all, warmup included.
+  One retraction leaves SGLang's admission conservative long after it (the reserve ratio is
+  re-estimated high and decays by ``(init - min) / decay_steps`` per decode step; with an
+  ``init`` of 0 it stays), so a window without retractions may follow a warmup that had one.
 
 - *footprint*: the limit nearest (in ratio) to the pool's tokens over a running request's mean
   footprint, its prompt plus half its answer (requests at evenly spread progress), and
@@ -84,10 +88,12 @@ def case(seed: int) -> dict[str, Any]:
     p = plan(shape, clients, Durations())
     t0, t1 = p.fixed_warmup_s, p.fixed_warmup_s + p.measure_s
     runs: dict[int, tuple[float, int, int]] = {}
+    ever: dict[int, int] = {}  # limit -> requests retracted over the whole run, warmup included
     for n in limits_for(shape, clients):
         run = _run(shape, clients, fixed_limit(n), t1)
         m = measure(run, t0, t1)
         runs[n] = (m.tokens_per_s, retracted(run, t0, t1), m.completed)
+        ever[n] = retracted(run, 0.0, t1)
     best = max(sorted(runs), key=lambda n: runs[n][0])
     out: dict[str, Any] = {
         "shape": shape.name,
@@ -101,6 +107,10 @@ def case(seed: int) -> dict[str, Any]:
     for eps in EPSILONS:
         n = retraction_free(runs, eps)
         out[f"free_{eps}"] = (n, runs[n][0] / runs[best][0])
+    calm = [n for n in runs if ever[n] == 0]
+    n = max(calm) if calm else min(runs)
+    out["never"] = (n, runs[n][0] / runs[best][0])
+    out["direct_ever"] = ever[clients]
     answer = sum(shape.output_len) / 2
     for model, tokens in (("footprint", answer / 2), ("whole", answer)):
         n = nearest(runs, shape.profile.max_total_tokens / (shape.input_len + tokens))
@@ -149,6 +159,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for eps in EPSILONS:
         xs = [r[f"free_{eps}"][1] for r in rows]
         lines.append(f"| retraction-free, eps {eps} | {summary(xs)} |")
+    never = summary([r["never"][1] for r in rows])
+    lines.append(f"| never retracted (warmup included) | {never} |")
     for model, text in (("footprint", "prompt + half the answer"), ("whole", "prompt + answer")):
         xs = [r[model][1] for r in rows]
         lines.append(f"| pool / ({text}) | {summary(xs)} |")
