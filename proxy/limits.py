@@ -270,8 +270,8 @@ class AdaptiveLimit:
     ran the most (in flight when the fewest waited, less the excess: each window's pair, as
     arrivals may fill it from one window to the next), or the most it ran in a judged window
     of the last ``probe_every_s`` (``_peak``; see ``update`` for which), and the limit that
-    plus the tolerance,
-    which the backend keeps ready (``_ready``). A cut that took what the backend ran rather
+    plus the tolerance, which the backend keeps ready (``_ready``; only where no other
+    backend could take them). A cut that took what the backend ran rather
     than what it kept waiting is undone (``_undo_cut``), and no cut goes below it again.
     Windows right after a change,
     or after demand arrived at once, are not judged (proxy/control.py waits until those
@@ -516,7 +516,7 @@ class AdaptiveLimit:
         self.prefill_share = min(MAX_PREFILL_SHARE, cut.share)
         queue = self._queued(waited, level)
         runs = max(1, math.floor(level - queue))
-        redo = self._clamp(min(level, self._ready(runs)))
+        redo = self._clamp(min(level, self._ready(runs, w.elsewhere)))
         if redo <= self._limit:
             return None
         self._forget_full()
@@ -563,7 +563,7 @@ class AdaptiveLimit:
             return undo
         # on our own count, a cut leaves none ready, so that the turnover after it shows
         # prefill alone (``_check_cut`` then redoes it, with the requests kept ready)
-        target = max(runs if alone else self._ready(runs), self._keep)
+        target = max(runs if alone else self._ready(runs, w.elsewhere), self._keep)
         self.capacity = runs
         if target >= self._limit:
             return None  # it ran this many lately: a passing dip in its room, held through
@@ -679,7 +679,7 @@ class AdaptiveLimit:
             # it keeps requests waiting and the limit comes down.
             self.capacity = self._clamp(known)
             self._phase = Phase.HOLD
-            return self._set(self._clamp(self._ready(self.capacity)), w, Code.RESTART)
+            return self._set(self._clamp(self._ready(self.capacity, w.elsewhere)), w, Code.RESTART)
         self.decision = Decision(Code.RESTART, self._limit, self._limit, w.end)
         self.history.append(self.decision)
         return self.decision
@@ -722,12 +722,18 @@ class AdaptiveLimit:
         waiting is full, though 6 is within 5% of 128)."""
         return self._tolerance_at(min(self._limit, max(1, math.ceil(w.in_flight))))
 
-    def _ready(self, runs: int) -> int:
+    def _ready(self, runs: int, elsewhere: bool) -> int:
         """The limit for a backend that runs ``runs``: that plus the tolerance, kept ready in
-        its queue. Its room is not constant (a token-sized KV pool frees room for several short
-        requests when one long one ends; a prefill budget takes what waits at each step), and
-        a request already there fills it at once; a cut to exactly ``runs`` would starve it at
-        every peak. A few requests bound early cost the proxy little late binding."""
+        its queue, when no other backend could take them. Its room is not constant (a
+        token-sized KV pool frees room for several short requests when one long one ends; a
+        prefill budget takes what waits at each step), and a request already there fills it at
+        once; a cut to exactly ``runs`` would starve it at every peak. Where another backend
+        could take them (``elsewhere``), exactly ``runs``: a request kept ready can no longer
+        be bound late, and waits for this backend's next completion while another may free a
+        slot first (as at a server's own cap, ``_told_level``); the proxy's queue refills a
+        freed slot within a round trip."""
+        if elsewhere:
+            return runs
         return math.floor(runs + self._tolerance_at(runs))
 
     def _told_level(self, w: Window | Demand) -> int:
@@ -741,7 +747,7 @@ class AdaptiveLimit:
         which costs more in TTFT than the step gains. So the few are kept ready only where no
         other backend could take them."""
         assert w.max_running is not None, "only for a window that carries the server's word"
-        return w.max_running if w.elsewhere else self._ready(w.max_running)
+        return self._ready(w.max_running, w.elsewhere)
 
     def _first_probe_wait(self) -> float:
         return FIRST_PROBE_SHARE * self.settings.probe_every_s

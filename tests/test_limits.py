@@ -537,6 +537,24 @@ def test_the_requests_kept_ready_at_the_servers_cap_only_where_none_could_go_els
         assert feed(lim, held) == [] and lim.limit == level
 
 
+def test_a_capacity_found_keeps_requests_ready_only_where_none_could_go_elsewhere():
+    """The same principle for a capacity read from what the backend ran: kept ready in its
+    queue (its room moves around what it ran) when it is the only backend; exactly what it
+    ran where another could take the rest, which then waits in the proxy for whichever
+    backend frees first instead of behind this one's next completion."""
+    for elsewhere, level in ((False, ready(40)), (True, 40)):
+        lim = adaptive(floor=1)
+        model = BatchModel(max_running=40)
+        decisions = []
+        for t in range(30):
+            w = dataclasses.replace(model.window(lim.limit, t), elsewhere=elsewhere)
+            if (d := lim.update(w)) is not None:
+                decisions.append(d)
+        full = [d for d in decisions if d.code is Code.FULL]
+        assert full and full[0].after == level
+        assert lim.capacity == 40 and lim.limit == level
+
+
 def test_a_probe_stops_at_what_the_server_says_it_runs():
     """A limit held at exactly the server's cap (another backend could take the rest) whose
     backend is now alone probes only up to the cap plus the requests kept ready."""
