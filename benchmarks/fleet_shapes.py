@@ -119,8 +119,8 @@ def _run(fleet: Fleet, clients: int, arm: str, duration_s: float) -> SimRun:
     )
 
 
-def _windows(fleet: Fleet, clients: int) -> dict[str, tuple[float, float]]:
-    d = Durations()
+def windows(fleet: Fleet, clients: int, d: Durations) -> dict[str, tuple[float, float]]:
+    """The two windows a case is measured in (modelled s)."""
     r = max(fleet.first.est.request_s, fleet.second_est.request_s)
     running = max(1, min(clients, fleet.capacity))
     warmup = max(d.adaptive_warmup_min_s, d.adaptive_warmup_requests * r)
@@ -132,16 +132,20 @@ def run_case(seed: int, factor: float) -> dict[str, Any] | None:
     fleet = generate_fleet(seed)
     if fleet is None:
         return None
-    clients = max(2, round(factor * fleet.capacity))
-    windows = _windows(fleet, clients)
-    end = max(t1 for _, t1 in windows.values())
-    out: dict[str, Any] = {"fleet": fleet.name, "seed": seed, "clients": clients}
+    return run_fleet(fleet, max(2, round(factor * fleet.capacity)))
+
+
+def run_fleet(fleet: Fleet, clients: int, d: Durations | None = None) -> dict[str, Any]:
+    """One case: the three arms on one workload seed, each measured in both windows."""
+    spans = windows(fleet, clients, d or Durations())
+    end = max(t1 for _, t1 in spans.values())
+    out: dict[str, Any] = {"fleet": fleet.name, "seed": fleet.seed, "clients": clients}
     for arm in ARMS:
         run = _run(fleet, clients, arm, end)
-        for w, (t0, t1) in windows.items():
+        for w, (t0, t1) in spans.items():
             out[f"{arm}_{w}_tps"] = run.throughput(t0, t1)
             out[f"{arm}_{w}_ttft99"] = run.ttft_pct(t0, t1, 0.99)
-    for w in windows:
+    for w in spans:
         for a, b in RATIOS:
             out[f"{w}_{a}_{b}_tps"] = _ratio(out[f"{a}_{w}_tps"], out[f"{b}_{w}_tps"])
             out[f"{w}_{a}_{b}_ttft"] = _ratio(out[f"{a}_{w}_ttft99"], out[f"{b}_{w}_ttft99"])
