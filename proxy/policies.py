@@ -30,6 +30,7 @@ policies so that it gets probed; admission caps a backend whose latest request f
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
@@ -162,6 +163,10 @@ class P2CPeakEwma:
         return a if self.cost(a) <= self.cost(b) else b
 
 
+#: the latency policy's cost of a backend with requests in flight and no data yet: last
+UNMEASURED_BUSY = math.inf
+
+
 class Latency:
     name = "latency"
 
@@ -170,12 +175,15 @@ class Latency:
         self._tick = itertools.count()
 
     def expected_completion(self, b: Routed, out_tokens: float, cached: float = 0.0) -> float:
-        """Seconds until a request sent to ``b`` now would finish (-1: no data, probe it).
-        ``cached``: the fraction of its prompt ``b`` is expected to hold in its prefix cache,
-        prefill it skips (proxy/prefix.py): it discounts the TTFT by as much."""
+        """Seconds until a request sent to ``b`` now would finish. Without data: -1 (probe
+        it) when nothing is in flight there, else infinite (``UNMEASURED_BUSY``): the
+        requests it has are the probe, and a backend too slow to have answered any yet must
+        not draw every request meanwhile. ``cached``: the fraction of its prompt ``b`` is
+        expected to hold in its prefix cache, prefill it skips (proxy/prefix.py): it
+        discounts the TTFT by as much."""
         ttft, itl = b.stats.ttft, b.stats.itl_at(b.in_flight + 1)
         if ttft is None or itl is None:
-            return -1.0
+            return -1.0 if b.in_flight == 0 else UNMEASURED_BUSY
         knee = b.limit.knee or b.limit.limit
         slowdown = max(1.0, (b.in_flight + 1) / max(knee, 1))
         return (ttft * (1.0 - cached) + out_tokens * itl * slowdown) / _weight(b)

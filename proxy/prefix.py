@@ -418,7 +418,7 @@ class PrefixRouting:
             if blocks and self._within(b, fleet):
                 claim = prompt.fraction(blocks) * self.index.trust(b.name)
             cost = self.estimate.expected_completion(b, out, claim)
-            if claim > 0 and cost >= 0:
+            if claim > 0 and 0 <= cost < math.inf:
                 # the prefill it skips would also have stalled every request b runs
                 cost = max(cost - self._prefill(b, out, claim) * b.in_flight, 0.0)
             scored.append(_Scored(cost, claim, b, blocks))
@@ -459,10 +459,12 @@ class PrefixRouting:
         return rendezvous(prompt.hashes[0], [b for seq, b in homed if seq == last])
 
     def _prefill(self, b: Routed, out: float, claim: float) -> float:
-        """Seconds of ``b``'s TTFT that a hit on ``claim`` of the prompt skips."""
-        return self.estimate.expected_completion(b, out) - self.estimate.expected_completion(
-            b, out, claim
-        )
+        """Seconds of ``b``'s TTFT that a hit on ``claim`` of the prompt skips (none known
+        without data)."""
+        whole = self.estimate.expected_completion(b, out)
+        if not 0 <= whole < math.inf:
+            return 0.0
+        return whole - self.estimate.expected_completion(b, out, claim)
 
     def worth_waiting(
         self, prompt: Prompt, home: Routed, free: Sequence[Routed], holders: int
@@ -480,12 +482,12 @@ class PrefixRouting:
         claim = prompt.fraction(matched.get(home.name, 0)) * self.index.trust(home.name)
         out = self.estimate.mean_output([home, *free])
         e2e = self.estimate.expected_completion(home, out)
-        if claim <= 0 or e2e < 0:
+        if claim <= 0 or not 0 <= e2e < math.inf:
             return False
         wait = (holders + 1) * e2e / max(home.in_flight, 1)
         miss = math.inf
         for b in free:
-            if self.estimate.expected_completion(b, out) < 0:
+            if not 0 <= self.estimate.expected_completion(b, out) < math.inf:
                 return False  # unmeasured: the latency policy probes it
             held = prompt.fraction(matched.get(b.name, 0)) * self.index.trust(b.name)
             if held >= claim * (1.0 - NEAR_BEST):

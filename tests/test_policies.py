@@ -105,6 +105,24 @@ def test_latency_probes_a_new_backend_first():
     assert make_policy("p2c_peak_ewma", seed=0).pick([known, new]) is new
 
 
+def test_a_new_backend_is_probed_by_one_request_not_flooded_until_it_answers():
+    """A backend with no data is tried first while idle; once requests are in flight there
+    and none has answered (a backend that slow would otherwise draw every request until it
+    does), the measured one is preferred; with no data anywhere the load spreads."""
+    clock = FakeClock()
+    known = measured("known", ttft=0.1, itl=0.02, in_flight=5, clock=clock)
+    new = FakeBackend("new", clock=clock)
+    lat = make_policy("latency")
+    assert lat.pick([known, new]) is new
+    new.in_flight = 1
+    assert all(lat.pick([known, new]) is known for _ in range(4))
+    a, b = FakeBackend("a", clock=clock), FakeBackend("b", clock=clock)
+    a.in_flight = 3
+    assert lat.pick([a, b]) is b  # the idle one is the probe
+    b.in_flight = 1
+    assert all(lat.pick([a, b]) is b for _ in range(4))  # both busy, none measured: the emptier
+
+
 def test_latency_exact_ties_spread():
     a = measured("a", ttft=0.1, itl=0.02)
     b = measured("b", ttft=0.1, itl=0.02)
