@@ -420,7 +420,7 @@ class AdaptiveLimit:
             if self._fullest is None or at - excess > self._fullest[0] - self._fullest[1]:
                 self._fullest = (at, excess)
             self._open = 0
-            if self._full >= FULL_WINDOWS and (not alone or self._queue_stood(w)):
+            if self._full >= FULL_WINDOWS and (not alone or self._queue_stood(w, tol)):
                 return self._full_at(w)
             return None
         self._forget_full()
@@ -625,14 +625,16 @@ class AdaptiveLimit:
         self._admitted += w.ttft_count
         self._finished += w.completions
 
-    def _queue_stood(self, w: Window) -> bool:
+    def _queue_stood(self, w: Window, tol: float) -> bool:
         """Over the windows that showed requests waiting, did the backend admit only as it
         finished? A full backend's queue moves only when a request ends, so it admitted
-        (first tokens) no more than it finished; and either it finished some, or the queue did
+        (first tokens) no more than it finished (once it finished some, within the tolerance
+        ``_wave`` reads them with: a backend that filled its last seats as the streak began
+        admitted those before anything ended); and either it finished some, or the queue did
         not move for longer than the requests it admitted lately took to their first token
         (``_ttfts``; a cold start's first answers may take longer than that to finish, and a
         prefill-bound backend admits one request per prefill step)."""
-        if self._admitted > self._finished:
+        if self._admitted > self._finished + (tol if self._finished else 0.0):
             return False
         if self._finished > 0:
             return True

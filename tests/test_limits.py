@@ -654,6 +654,23 @@ def test_a_cut_from_a_limit_demand_did_not_fill_is_redone_from_what_was_in_fligh
     assert 64 < d.after <= 72
 
 
+def test_a_backend_that_filled_its_last_seats_then_admits_as_it_finishes_is_full():
+    """A slow backend given a cold start's burst: it admits its last two as the streak begins,
+    then nothing until one ends, while 28 wait all along. Once it has finished some, admitting
+    within the tolerance of its finishes is admitting as it finishes: full, cut to what it
+    runs (here another backend could take the rest)."""
+    lim = adaptive(floor=1, initial=51)
+    lim._phase = Phase.HOLD
+    filled = [win(51, 0.0, in_flight=30.0, awaiting_min=28.0, completions=0, admitted=2)]
+    still = [win(51, 1.0 + t, in_flight=30.0, awaiting_min=28.0, completions=0, admitted=0)
+             for t in range(4)]  # fmt: skip
+    ends = [win(51, 5.0, in_flight=30.0, awaiting_min=28.0, completions=1, admitted=0)]
+    windows = [dataclasses.replace(w, elsewhere=True, ttft=30.0) for w in filled + still + ends]
+    decisions = feed(lim, windows)
+    assert [(d.code, d.at) for d in decisions] == [(Code.FULL, 6.0)]
+    assert lim.limit == 2
+
+
 def test_no_verdict_while_none_of_ours_runs_or_while_it_admits_more_than_it_finishes():
     """A cold start on long prompts: every request waits for its prefill, then they are
     admitted one by one (one prefill chunk per step) while none has finished. That says
