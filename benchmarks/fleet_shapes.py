@@ -45,8 +45,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from harness import RESULTS, commit, load_cpu, write_results
-from limit_shapes import Durations, chosen_seeds, shape_set_arguments
+from limit_shapes import (
+    Durations,
+    chosen_seeds,
+    save_shape_set,
+    shape_set_arguments,
+    shape_set_meta,
+)
 from limit_sim import SimRun, closed_loop_through_proxy
 
 from loadtest.sim.shapes import Estimate, Shape, estimate, generate_shape
@@ -224,23 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in pool.map(_case, tasks, chunksize=1) if r is not None]
     if not rows:
         ap.error("no fleet could be drawn from these seeds")
-    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
-    meta = {
-        "split": args.split,
-        "command": f"python benchmarks/fleet_shapes.py {argv_text}".strip(),
-        "commit": commit(),
-        "seeds": f"{seeds[0]}-{seeds[-1]}",
-        "fleets": len({r["seed"] for r in rows}),
-        "jobs": args.jobs,
-        "wall_s": time.perf_counter() - started,
-        "load": load_cpu(),
-    }
-    text = markdown(rows, meta)
-    print(text)
-    if not args.no_save:
-        out = args.out or RESULTS / f"fleet_shapes-{args.split}"
-        write_results(out.name, text, {"meta": meta, "cases": rows}, out)
-        print(f"wrote {out.with_suffix('.md')} and .json", file=sys.stderr)
+    meta = shape_set_meta("fleet_shapes.py", args, argv, seeds, started)
+    meta["fleets"] = len({r["seed"] for r in rows})
+    save_shape_set("fleet_shapes", args, markdown(rows, meta), {"meta": meta, "cases": rows})
     return 0
 
 

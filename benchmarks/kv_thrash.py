@@ -48,7 +48,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from harness import RESULTS, commit, load_cpu, write_results
 from limit_shapes import (
     EXTEND,
     MIN_THROUGHPUT,
@@ -59,7 +58,9 @@ from limit_shapes import (
     fixed_limit,
     measure,
     plan,
+    save_shape_set,
     shape_set_arguments,
+    shape_set_meta,
 )
 from limit_sim import SimRun
 
@@ -190,22 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with multiprocessing.Pool(args.jobs) as pool:
         rows = pool.map(case, kv, chunksize=1)
-    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
-    meta = {
-        "split": args.split,
-        "command": f"python benchmarks/kv_thrash.py {argv_text}".strip(),
-        "commit": commit(),
-        "seeds": f"{seeds[0]}-{seeds[-1]}",
-        "jobs": args.jobs,
-        "wall_s": time.perf_counter() - started,
-        "load": load_cpu(),
-    }
-    text = markdown(rows, meta)
-    print(text)
-    if not args.no_save:
-        out = args.out or RESULTS / f"kv_thrash-{args.split}"
-        write_results(out.name, text, {"meta": meta, "cases": rows}, out)
-        print(f"wrote {out.with_suffix('.md')} and .json", file=sys.stderr)
+    meta = shape_set_meta("kv_thrash.py", args, argv, seeds, started)
+    save_shape_set("kv_thrash", args, markdown(rows, meta), {"meta": meta, "cases": rows})
     return 0
 
 

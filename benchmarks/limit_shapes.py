@@ -543,6 +543,32 @@ def shape_set_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-save", action="store_true", help="print only")
 
 
+def shape_set_meta(
+    script: str, args: argparse.Namespace, argv: list[str] | None, seeds: list[int], started: float
+) -> dict[str, Any]:
+    """What every benchmark on a shape set records of its run (extended by each)."""
+    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    return {
+        "split": args.split,
+        "command": f"python benchmarks/{script} {argv_text}".strip(),
+        "commit": commit(),
+        "seeds": f"{seeds[0]}-{seeds[-1]}",
+        "jobs": args.jobs,
+        "wall_s": time.perf_counter() - started,
+        "load": load_cpu(),
+    }
+
+
+def save_shape_set(name: str, args: argparse.Namespace, text: str, data: dict[str, Any]) -> None:
+    """Print the markdown and, unless ``--no-save``, write it and ``data`` to ``--out`` or
+    benchmarks/results/<name>-<split>."""
+    print(text)
+    if not args.no_save:
+        out = args.out or RESULTS / f"{name}-{args.split}"
+        write_results(out.name, text, data, out)
+        print(f"wrote {out.with_suffix('.md')} and .json", file=sys.stderr)
+
+
 def chosen_seeds(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
     """The seeds ``shape_set_arguments`` chose (a clear error for a range outside the split)."""
     try:
@@ -612,28 +638,18 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     rows.sort(key=lambda r: (r["seed"], r["clients"]))
-    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
-    meta = {
-        "split": args.split,
-        "command": f"python benchmarks/limit_shapes.py {argv_text}".strip(),
-        "commit": commit(),
-        "shapes": len(seeds),
-        "seeds": f"{seeds[0]}-{seeds[-1]}",
-        "jobs": args.jobs,
-        "wall_s": time.perf_counter() - started,
-        "cpu_s": sum(r["wall_s"] for r in rows),
-        "load": load_cpu(),
-        "durations": asdict(Durations()),
-        "eval_seeds": args.eval_seeds,
-        "evidence": args.evidence,
-    }
+    meta = shape_set_meta("limit_shapes.py", args, argv, seeds, started)
+    meta.update(
+        shapes=len(seeds),
+        cpu_s=sum(r["wall_s"] for r in rows),
+        durations=asdict(Durations()),
+        eval_seeds=args.eval_seeds,
+        evidence=args.evidence,
+    )
     text = markdown(rows, meta)
-    print(text)
-    if not args.no_save:
-        out = args.out or RESULTS / f"limit_shapes-{args.split}"
-        data = {"meta": meta, "verdict": verdict(rows), "cases": rows}
-        write_results(out.name, text, data, out)
-        print(f"wrote {out.with_suffix('.md')} and .json", file=sys.stderr)
+    save_shape_set(
+        "limit_shapes", args, text, {"meta": meta, "verdict": verdict(rows), "cases": rows}
+    )
     return 0
 
 

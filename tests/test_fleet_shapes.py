@@ -14,18 +14,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import fleet_shapes as bench
-import limit_shapes
+from test_limit_shapes import QUICK  # the short durations its tiny shapes run with
 
 from loadtest.sim.profiles import load_profile
 from loadtest.sim.shapes import Shape, estimate
-
-QUICK = limit_shapes.Durations(
-    measure_min_s=5.0,
-    measure_requests=1.0,
-    measure_completions=20.0,
-    adaptive_warmup_min_s=8.0,
-    adaptive_warmup_requests=1.0,
-)
 
 
 def test_a_seed_always_gives_the_same_fleet_and_its_second_engine_holds_the_workload():
