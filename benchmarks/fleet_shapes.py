@@ -51,6 +51,7 @@ from limit_shapes import (
     save_shape_set,
     shape_set_arguments,
     shape_set_meta,
+    timing,
 )
 from limit_sim import SimRun, closed_loop_through_proxy
 
@@ -127,10 +128,9 @@ def _run(fleet: Fleet, clients: int, arm: str, duration_s: float) -> SimRun:
 def windows(fleet: Fleet, clients: int, d: Durations) -> dict[str, tuple[float, float]]:
     """The two windows a case is measured in (modelled s)."""
     r = max(fleet.first.est.request_s, fleet.second_est.request_s)
-    running = max(1, min(clients, fleet.capacity))
-    warmup = max(d.adaptive_warmup_min_s, d.adaptive_warmup_requests * r)
-    measure = max(d.measure_min_s, d.measure_requests * r, d.measure_completions * r / running)
-    return {"whole": (START_S, warmup + measure), "steady": (warmup, warmup + measure)}
+    p = timing(r, max(1, min(clients, fleet.capacity)), d)
+    end = p.adaptive_warmup_s + p.measure_s
+    return {"whole": (START_S, end), "steady": (p.adaptive_warmup_s, end)}
 
 
 def run_case(seed: int, factor: float) -> dict[str, Any] | None:

@@ -160,8 +160,12 @@ class Plan:
 
 
 def plan(shape: Shape, clients: int, d: Durations) -> Plan:
-    r = shape.est.request_s
-    running = max(1, min(clients, shape.est.capacity))
+    return timing(shape.est.request_s, max(1, min(clients, shape.est.capacity)), d)
+
+
+def timing(request_s: float, running: int, d: Durations) -> Plan:
+    """The plan for requests that last ``request_s`` at capacity, ``running`` at once."""
+    r = request_s
     measure = max(d.measure_min_s, d.measure_requests * r, d.measure_completions * r / running)
     return Plan(
         fixed_warmup_s=max(d.fixed_warmup_min_s, d.fixed_warmup_requests * r),

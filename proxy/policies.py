@@ -30,14 +30,13 @@ policies so that it gets probed; admission caps a backend whose latest request f
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.prefix import LOOKAHEAD, PrefixIndex, PrefixRouting, near_best
+from proxy.prefix import LOOKAHEAD, UNMEASURED_BUSY, PrefixIndex, PrefixRouting, near_best
 from proxy.routed import Routed, relative_load
 
 PolicyName = Literal["latency", "p2c_peak_ewma", "round_robin", "least_in_flight"]
@@ -161,10 +160,6 @@ class P2CPeakEwma:
             return candidates[0]
         a, b = self._rng.sample(candidates, 2)
         return a if self.cost(a) <= self.cost(b) else b
-
-
-#: the latency policy's cost of a backend with requests in flight and no data yet: last
-UNMEASURED_BUSY = math.inf
 
 
 class Latency:

@@ -418,7 +418,7 @@ class PrefixRouting:
             if blocks and self._within(b, fleet):
                 claim = prompt.fraction(blocks) * self.index.trust(b.name)
             cost = self.estimate.expected_completion(b, out, claim)
-            if claim > 0 and 0 <= cost < math.inf:
+            if claim > 0 and measured(cost):
                 # the prefill it skips would also have stalled every request b runs
                 cost = max(cost - self._prefill(b, out, claim) * b.in_flight, 0.0)
             scored.append(_Scored(cost, claim, b, blocks))
@@ -462,7 +462,7 @@ class PrefixRouting:
         """Seconds of ``b``'s TTFT that a hit on ``claim`` of the prompt skips (none known
         without data)."""
         whole = self.estimate.expected_completion(b, out)
-        if not 0 <= whole < math.inf:
+        if not measured(whole):
             return 0.0
         return whole - self.estimate.expected_completion(b, out, claim)
 
@@ -482,12 +482,12 @@ class PrefixRouting:
         claim = prompt.fraction(matched.get(home.name, 0)) * self.index.trust(home.name)
         out = self.estimate.mean_output([home, *free])
         e2e = self.estimate.expected_completion(home, out)
-        if claim <= 0 or not 0 <= e2e < math.inf:
+        if claim <= 0 or not measured(e2e):
             return False
         wait = (holders + 1) * e2e / max(home.in_flight, 1)
         miss = math.inf
         for b in free:
-            if not 0 <= self.estimate.expected_completion(b, out) < math.inf:
+            if not measured(self.estimate.expected_completion(b, out)):
                 return False  # unmeasured: the latency policy probes it
             held = prompt.fraction(matched.get(b.name, 0)) * self.index.trust(b.name)
             if held >= claim * (1.0 - NEAR_BEST):
@@ -514,6 +514,16 @@ def _longest_holders(held: Sequence[tuple[Routed, int]]) -> list[Routed]:
     """Of (backend, matched blocks), those within NEAR_BEST of the longest match."""
     top = max((blocks for _, blocks in held), default=0)
     return [b for b, blocks in held if blocks > 0 and blocks >= top * (1.0 - NEAR_BEST)]
+
+
+#: the latency policy's cost of a backend with requests in flight and no data yet: last
+UNMEASURED_BUSY = math.inf
+
+
+def measured(cost: float) -> bool:
+    """Is ``cost`` (an ``expected_completion``) an estimate in seconds, rather than -1 (no
+    data, probe it) or ``UNMEASURED_BUSY`` (no data, its probe under way)?"""
+    return 0 <= cost < UNMEASURED_BUSY
 
 
 def near_best(items: Sequence[_T], costs: Sequence[float]) -> list[_T]:
